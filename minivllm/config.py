@@ -1,0 +1,198 @@
+"""Configuration: what the checkpoint says (`ModelConfig`) and how to run it (`EngineConfig`).
+
+Built in notebook 01_forward_pass.
+
+A Hugging Face checkpoint directory carries its architecture in ``config.json``. We parse it
+once into a frozen `ModelConfig` holding only the fields a Qwen2/Qwen3 decoder needs, and
+fail loudly (naming the file and the key) on anything we do not support, instead of
+silently computing a different model. `EngineConfig` holds the serving knobs the later
+milestones use (KV-cache size, batch limits, attention backend); it is validated once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+# The bundled tiny checkpoint (same path as `minivllm.TINY_MODEL`; defined here to avoid
+# importing the package from inside itself).
+_TINY_MODEL = str(Path(__file__).parent / "assets" / "tiny-qwen2-stdlib")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Qwen2 / Qwen3 decoder, parsed from ``config.json``."""
+
+    model_type: str  # "qwen2" or "qwen3"
+    vocab_size: int  # rows of the embedding table and of lm_head
+    hidden_size: int  # width of the residual stream
+    intermediate_size: int  # width of the MLP's hidden layer
+    num_hidden_layers: int  # number of decoder layers
+    num_attention_heads: int  # query heads per layer
+    num_key_value_heads: int  # key/value heads per layer (GQA: fewer than query heads)
+    head_dim: int  # width of one head (explicit in Qwen3; hidden_size // heads in Qwen2)
+    rms_norm_eps: float  # epsilon inside every RMSNorm
+    rope_theta: float  # RoPE base frequency
+    max_position_embeddings: int  # longest context the model was trained for
+    tie_word_embeddings: bool  # lm_head shares its weight with embed_tokens
+    attention_bias: bool  # q/k/v projections carry a bias (always in Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> ModelConfig:
+        """Parse a config.json dictionary; `source` names the file in error messages."""
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: unsupported model_type {model_type!r}; "
+                f"minivllm supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def req(key: str):
+            if key not in d or d[key] is None:
+                raise ValueError(f"{source}: missing required key {key!r}")
+            return d[key]
+
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{source}: sliding-window attention is not supported")
+        hidden, n_heads = int(req("hidden_size")), int(req("num_attention_heads"))
+        qwen3 = model_type == "qwen3"
+        return cls(
+            model_type=model_type,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(req("intermediate_size")),
+            num_hidden_layers=int(req("num_hidden_layers")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(d.get("head_dim") or hidden // n_heads),
+            rms_norm_eps=float(req("rms_norm_eps")),
+            rope_theta=_read_rope_theta(d, source),
+            max_position_embeddings=int(req("max_position_embeddings")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 configs do not carry `attention_bias`: Qwen2 always has q/k/v biases.
+            attention_bias=bool(d.get("attention_bias", False)) if qwen3 else True,
+            qk_norm=qwen3,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Read ``<model_dir>/config.json``."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json in the checkpoint directory")
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+
+def _read_rope_theta(d: dict, source: str) -> float:
+    """RoPE base: top-level `rope_theta` (older configs) or `rope_parameters` (newer ones).
+
+    Only plain ("default") RoPE is implemented; scaled variants (yarn, linear, dynamic...)
+    change the frequencies, so computing them as plain RoPE would be silently wrong.
+    """
+    params = d.get("rope_parameters") or {}
+    for scaling in (d.get("rope_scaling"), params):
+        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+        if kind != "default":
+            raise ValueError(f"{source}: unsupported RoPE scaling type {kind!r}; only plain RoPE")
+    theta = d.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{source}: missing required key 'rope_theta'")
+    return float(theta)
+
+
+def read_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json's `eos_token_id`, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local checkpoint directory as is; otherwise a hub id resolved via the HF cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt"]
+    # Hub errors (not cached, not found, offline, invalid id) are OSError or ValueError.
+    try:
+        try:  # the cache first: no network round trip when the model is already here
+            return Path(
+                snapshot_download(str(model), allow_patterns=patterns, local_files_only=True)
+            )
+        except OSError:
+            return Path(snapshot_download(str(model), allow_patterns=patterns))
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"{model!r} is neither a local checkpoint directory nor a hub id available in "
+            f"the Hugging Face cache or for download ({type(e).__name__}: {e})"
+        ) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """Device "auto" -> cuda when available, else cpu; anything else as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device | str, checkpoint_dtype: str) -> torch.dtype:
+    """Dtype "auto" -> float32 on CPU (exact parity, fast kernels), the checkpoint's dtype on GPU."""
+    if name == "auto":
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        return _DTYPES.get(checkpoint_dtype, torch.float32)
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model: the knobs of the engine, validated once."""
+
+    model: str = field(default=_TINY_MODEL)  # checkpoint directory or hub id
+    dtype: str = "auto"  # "auto" (fp32 on CPU, checkpoint dtype on CUDA), "float32", ...
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int | None = None  # KV-cache blocks; None -> sized from the memory budget
+    kv_cache_memory_bytes: int | None = None  # CPU KV budget; None -> 2 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use
+    max_num_seqs: int = 64  # most sequences running in one step
+    max_num_batched_tokens: int = 2048  # most tokens (prefill + decode) in one step
+    max_model_len: int | None = None  # longest prompt+output; None -> the model's limit
+    enable_prefix_caching: bool = True  # share KV blocks between identical prompt prefixes
+    attention_backend: str = "loop"  # "loop" (per-sequence, M2); later "batched" (M6)
+    compile: bool = False  # compile the decode step (M7)
+    seed: int = 0  # default seed for sampling
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {self.dtype!r}")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        optional_positive = ("num_blocks", "kv_cache_memory_bytes", "max_model_len")
+        for name in positive + optional_positive:
+            value = getattr(self, name)
+            if (value is not None or name in positive) and (
+                not isinstance(value, int) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.attention_backend not in ("loop", "batched"):
+            raise ValueError(
+                f"attention_backend must be 'loop' or 'batched', got {self.attention_backend!r}"
+            )
