@@ -1,0 +1,399 @@
+"""The engine loop and the offline ``LLM`` API.
+
+Built in notebook 03_continuous_batching. ``LLMEngine.step()`` is one turn of the loop:
+
+    schedule ─▶ prepare flat inputs ─▶ model forward ─▶ sample ─▶ postprocess ─▶ outputs
+
+The scheduler never touches tensors, the model never knows about requests, and the
+engine is the glue between them. ``LLM.generate`` loops ``step()`` until every request is
+done; the server (notebook 04) runs the same loop in a background thread and streams the
+per-step deltas to HTTP clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.config import (
+    EngineConfig,
+    ModelConfig,
+    read_eos_token_ids,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from minivllm.kv_cache import (
+    AttentionMetadata,
+    BlockManager,
+    KVCachePool,
+    PagedAttention,
+    bytes_per_block,
+    check_pool_fits,
+    num_blocks_for_budget,
+)
+from minivllm.model import load_model
+from minivllm.sampling import Sampler, SamplingParams
+from minivllm.scheduler import Scheduler, Sequence
+from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions (vLLM's shape), plus the delta of the last step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    delta_text: str = ""  # new text since the previous output of this completion
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step (vLLM's shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests, the server and the benchmark read."""
+
+    num_steps: int = 0
+    max_batch_size: int = 0  # most sequences in one forward pass
+    max_batched_tokens: int = 0  # most tokens in one forward pass
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens that ran through the model
+    num_prefix_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_generated_tokens: int = 0
+
+
+@dataclass
+class _TextState:
+    """Incremental text of one sequence."""
+
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+def attention_backend(name: str):
+    """The attention function class for a backend name ("loop" is Milestone 2's)."""
+    if name == "loop":
+        return PagedAttention
+    from minivllm import attention  # Milestone 6
+
+    if name not in attention.BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from loop, "
+                         f"{', '.join(attention.BACKENDS)}")
+    return attention.BACKENDS[name]
+
+
+class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the requests; ``step()`` runs one turn."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.eos_token_ids = read_eos_token_ids(path)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_blocks = self._num_blocks()
+        check_pool_fits(self.num_blocks, config.block_size, self.max_model_len)
+        mc = self.model_config
+        self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks, config.block_size,
+                                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   self.eos_token_ids)
+        self.attention_cls = attention_backend(config.attention_backend)
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self.requests: dict[str, _Request] = {}
+        self._text: dict[int, _TextState] = {}
+        self._seq_ids = itertools.count()
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> LLMEngine:
+        if model is not None:
+            options["model"] = model
+        return cls(EngineConfig(**options))
+
+    def _num_blocks(self) -> int:
+        c, mc = self.config, self.model_config
+        if c.num_blocks is not None:
+            return c.num_blocks
+        block_bytes = bytes_per_block(mc.num_hidden_layers, c.block_size,
+                                      mc.num_key_value_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            from minivllm.kv_cache import measure_cuda_kv_budget
+
+            budget = measure_cuda_kv_budget(self.model, c.max_num_batched_tokens,
+                                            c.gpu_memory_utilization)
+            return num_blocks_for_budget(budget, block_bytes)
+        budget = c.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+        enough = c.max_num_seqs * -(-self.max_model_len // c.block_size)  # never need more
+        return min(num_blocks_for_budget(budget, block_bytes), enough)
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize_prompt(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len}: no room for any output token")
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            parent = seqs[0] if seqs and self.config.enable_prefix_caching else None
+            seqs.append(Sequence(next(self._seq_ids), request_id, ids, params, index, parent))
+        self.requests[request_id] = _Request(request_id, text, ids, seqs)
+        for seq in seqs:
+            self._text[seq.seq_id] = _TextState(IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens))
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+            self._text.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One turn: schedule, run the model on the flat batch, sample, postprocess."""
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        self.stats.num_steps += 1
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(plan.scheduled))
+        self.stats.max_batched_tokens = max(self.stats.max_batched_tokens, plan.num_batched_tokens)
+        for seq in plan.admitted:
+            self.stats.num_prefix_cached_tokens += seq.num_cached_tokens
+        sampled = self._run_model(plan.scheduled)
+        progressed = self.scheduler.postprocess(plan.scheduled, sampled)
+        self.stats.num_generated_tokens += len(progressed)
+        return self._outputs(progressed)
+
+    def _prepare_inputs(self, scheduled: list[tuple[Sequence, int]]):
+        """Flat input ids and positions, attention metadata, and the rows to sample."""
+        input_ids, positions, sample_rows, sample_seqs = [], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if start < seq.num_prompt_tokens:
+                self.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
+            if start + n == seq.num_tokens:  # the last known token: its logits give the next
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        metadata = AttentionMetadata.build(
+            [s.block_table for s, _ in scheduled], [s.num_computed_tokens for s, _ in scheduled],
+            [n for _, n in scheduled], self.config.block_size, self.device)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        return as_tensor(input_ids), as_tensor(positions), metadata, as_tensor(sample_rows), sample_seqs
+
+    @torch.inference_mode()
+    def _run_model(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
+        input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
+        hidden = self.model(input_ids, positions, self.attention_cls(self.pool, metadata))
+        if not seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
+        out = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                           [self._banned_ids(s) for s in seqs])
+        tokens = out.token_ids.tolist()
+        if out.logprobs is not None:
+            chosen = out.logprobs.tolist()
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            for i, seq in enumerate(seqs):
+                k = seq.params.logprobs
+                if k is None:
+                    continue
+                seq.cumulative_logprob += chosen[i]
+                entry = {tokens[i]: chosen[i]}
+                if k > 0 and top_ids is not None:
+                    entry.update(zip(top_ids[i][:k], top_lp[i][:k]))
+                seq.logprobs.append(entry)
+        return {seq.seq_id: token for seq, token in zip(seqs, tokens)}
+
+    def _banned_ids(self, seq: Sequence) -> list[int]:
+        """min_tokens: EOS and stop token ids may not be sampled until it is reached."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return []
+        return [*([] if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids]
+
+    # ------------------------------------------------------------------ outputs
+
+    def _update_text(self, seq: Sequence) -> None:
+        """Detokenize the new token, then apply stop strings (which end the sequence)."""
+        state = self._text[seq.seq_id]
+        delta = state.detokenizer.add(seq.output_token_ids[-1:])
+        stops = seq.params.stop_strings
+        if not stops or not delta or seq.finish_reason == "abort":
+            state.text += delta
+            return
+        longest = max(map(len, stops))
+        search_from = max(0, len(state.text) - longest + 1)
+        state.text += delta
+        hits = [(i, s) for s in stops if (i := state.text.find(s, search_from)) >= 0]
+        if hits:
+            index, stop = min(hits)
+            end = index + len(stop) if seq.params.include_stop_str_in_output else index
+            state.text = state.text[:end]
+            self.scheduler.finish(seq, "stop", stop)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        state = self._text[seq.seq_id]
+        stops = seq.params.stop_strings
+        holdback = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+        emit_to = max(state.num_emitted_chars, len(state.text) - holdback)
+        delta_text = state.text[state.num_emitted_chars:emit_to]
+        state.num_emitted_chars = emit_to
+        output_ids = seq.output_token_ids
+        delta_ids = output_ids[state.num_emitted_tokens:]
+        state.num_emitted_tokens = len(output_ids)
+        want_logprobs = seq.params.logprobs is not None
+        return CompletionOutput(
+            index=seq.index, text=state.text[:emit_to], token_ids=list(output_ids),
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
+            logprobs=list(seq.logprobs) if want_logprobs else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            delta_text=delta_text, delta_token_ids=delta_ids)
+
+    def _outputs(self, progressed: list[Sequence]) -> list[RequestOutput]:
+        for seq in progressed:
+            self._update_text(seq)
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in progressed):
+            request = self.requests[request_id]
+            finished = all(s.is_finished for s in request.seqs)
+            outputs.append(RequestOutput(
+                request_id, request.prompt, request.prompt_token_ids,
+                [self._completion(s) for s in request.seqs], finished,
+                num_cached_tokens=request.seqs[0].num_cached_tokens))
+            if finished:
+                del self.requests[request_id]
+                for s in request.seqs:
+                    self._text.pop(s.seq_id, None)
+        return outputs
+
+
+class LLM:
+    """vLLM-shaped offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = LLMEngine.from_options(model, **engine_options)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (batched, continuously) and return outputs in order."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [
+            sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids = [f"offline-{next(self._request_ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

@@ -1,0 +1,220 @@
+"""Sequences and the continuous-batching scheduler.
+
+Built in notebook 03_continuous_batching. Every engine step the scheduler decides which
+sequences run and how many new tokens each computes, under two budgets: at most
+``max_num_seqs`` sequences and at most ``max_num_batched_tokens`` tokens per step.
+
+One rule covers prefill and decode alike: a sequence has ``num_tokens`` tokens (prompt +
+output so far) of which ``num_computed_tokens`` have keys/values in the cache; a step
+computes the next ``min(num_tokens - num_computed_tokens, budget left)`` of them. A
+decoding sequence needs 1; a prompt longer than the budget is split into chunks
+(chunked prefill) that run beside other sequences' decodes.
+
+Each step:
+1. running sequences, oldest first, get their tokens and any blocks they need; when the
+   pool is out of blocks the *newest* running sequence is preempted (its blocks freed, its
+   tokens kept) and goes back to the front of the queue, to be recomputed later;
+2. waiting sequences are admitted first-come-first-served while sequences, tokens and
+   blocks allow.
+After the forward pass, ``postprocess`` appends sampled tokens and retires sequences on
+EOS, stop token ids or length, freeing their blocks at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.kv_cache import BlockManager
+from minivllm.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds blocks and is scheduled every step
+    FINISHED = "finished"  # done; finish_reason says why
+
+
+class Sequence:
+    """One completion being generated: its tokens, cache state and sampling state."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, index: int = 0, parent: Sequence | None = None):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.parent = parent  # for n > 1: wait for this sibling's prompt to be cached
+        self.params = params
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of its registered full blocks
+        self.num_computed_tokens = 0  # tokens whose keys/values are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop token id or string that ended it
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Admit, chunk, retire and preempt, every step (see the module docstring)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.grow(seq.block_table, seq.num_computed_tokens + n)
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        # 2. admit waiting sequences first-come-first-served (not in a step that preempted)
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            if seq.parent is not None and not self._prompt_cached(seq.parent):
+                break  # n > 1: let the first sibling fill the prefix cache first
+            if not bm.can_allocate(seq.token_ids):
+                break
+            self.waiting.popleft()
+            seq.block_table, seq.num_cached_tokens = bm.allocate(seq.token_ids)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.scheduled.append((seq, n))
+            out.admitted.append(seq)
+            budget -= n
+        return out
+
+    @staticmethod
+    def _prompt_cached(seq: Sequence) -> bool:
+        return seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""
+        self.block_manager.free_blocks(seq.block_table)
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, scheduled: list[tuple[Sequence, int]],
+                    sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the computed counts, append sampled tokens and retire finished sequences.
+
+        ``sampled`` maps seq_id -> the token sampled for it (sequences that finished their
+        prompt or decoded this step; a mid-prompt chunk samples nothing). Returns the
+        sequences that received a token.
+        """
+        progressed = []
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(
+                seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+            if seq.seq_id not in sampled:
+                continue
+            token = sampled[seq.seq_id]
+            seq.token_ids.append(token)
+            progressed.append(seq)
+            reason = self.check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, *reason)
+        return progressed
+
+    def check_stop(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        """Token-level stop conditions: (finish_reason, stop_reason) or None."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Retire a sequence now and give its blocks back."""
+        if seq.is_finished:
+            return
+        seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_blocks(seq.block_table)
