@@ -121,7 +121,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        # Qwen3's `attention_bias` covers o_proj too (as in Llama); Qwen2 biases only q/k/v.
+        o_bias = bias and config.model_type == "qwen3"
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=o_bias)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's D values, before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
