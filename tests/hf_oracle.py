@@ -1,0 +1,61 @@
+"""The correctness oracle shared by the milestone tests: Hugging Face transformers, fp32, CPU.
+
+Greedy decoding is done with an explicit loop (not ``generate``) so that ``ignore_eos``
+semantics match minivllm exactly: the loop never masks or stops on EOS, it just takes the
+argmax ``max_new_tokens`` times.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: str | Path, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` by transformers (stops after an EOS if given)."""
+    model = hf_model(str(path))
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    past, tokens = out.past_key_values, []
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        if token in eos_token_ids:
+            break
+        out = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: past})
+        past = out.past_key_values
+    return tokens
+
+
+@torch.inference_mode()
+def hf_logprobs(path: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every position: (len, vocab)."""
+    logits = hf_model(str(path))(torch.tensor([token_ids])).logits[0]
+    return logits.float().log_softmax(-1)
+
+
+@pytest.fixture(scope="session")
+def random_engine_model(tiny_random_qwen2, qwen25_tokenizer_dir, tmp_path_factory) -> Path:
+    """The tiny random Qwen2 checkpoint plus Qwen2.5's real tokenizer files, so the engine
+    (which always loads a tokenizer) can run it. Prompts must use ids below its vocab (512)."""
+    out = tmp_path_factory.mktemp("tiny-random-engine")
+    for src in (Path(tiny_random_qwen2), Path(qwen25_tokenizer_dir)):
+        for f in src.iterdir():
+            shutil.copyfile(f, out / f.name)
+    return out

@@ -1,0 +1,248 @@
+"""Milestone 3: continuous batching, sampling and the offline LLM API
+(minivllm/scheduler.py, sampling.py, engine.py; notebook 03_continuous_batching).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hf_oracle import hf_greedy, hf_logprobs, random_engine_model  # noqa: F401 (fixture)
+
+from minivllm import LLM, SamplingParams
+from minivllm.kv_cache import BlockManager
+from minivllm.sampling import Sampler
+from minivllm.scheduler import Scheduler, Sequence, SequenceStatus
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _random_prompts(seed: int, count: int, max_len: int, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    bm = llm.engine.block_manager
+    return bm.num_free_blocks == llm.engine.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_many_prompts_with_preemption_and_chunking_match_transformers(random_engine_model):
+    """24 prompts, at most 4 running, a 9-block pool and a 24-token step budget: prompts are
+    chunked, sequences are preempted and recomputed, and every output must still equal
+    transformers' greedy decode, prompt by prompt."""
+    prompts = _random_prompts(0, 24, 60)
+    llm = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+              max_num_seqs=4, max_num_batched_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=20, **GREEDY))
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert any(len(p) > 24 for p in prompts) and stats.max_batched_tokens == 24
+    assert stats.max_batch_size <= 4
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 20), f"prompt {i}"
+        assert out.outputs[0].finish_reason == "length"
+    assert _all_blocks_free(llm)
+
+
+def test_bundled_model_batch_matches_transformers(tiny_model):
+    from minivllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(tiny_model)
+    texts = ["import sys\n", "def main():\n", "for i in range(10):\n    ", "x = [", "# Copyright",
+             "class Config:\n    \"\"\"", "return", "if __name__ == '__main__':\n"]
+    llm = LLM(str(tiny_model), block_size=16, num_blocks=64, max_num_seqs=3,
+              max_num_batched_tokens=8, max_model_len=512)
+    outs = llm.generate(texts, SamplingParams(max_tokens=16, temperature=0.0))
+    for text, out in zip(texts, outs):
+        expected = hf_greedy(tiny_model, tok.encode(text), 16, llm.engine.eos_token_ids)
+        assert out.outputs[0].token_ids == expected, text
+    assert _all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=400, max_model_len=128)
+    prompt = {"prompt_token_ids": [5, 17, 300, 42, 7]}
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    alone = llm.generate(prompt, seeded)[0].outputs[0].token_ids
+    noise = [{"prompt_token_ids": p} for p in _random_prompts(1, 7, 30)]
+    busy = llm.generate(noise[:4] + [prompt] + noise[4:],
+                        [SamplingParams(temperature=1.0, max_tokens=30)] * 4 + [seeded]
+                        + [SamplingParams(temperature=0.5, max_tokens=10)] * 3)
+    assert busy[4].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=99, max_tokens=24,
+                                ignore_eos=True)
+    assert llm.generate(prompt, other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_abort_frees_blocks_at_once(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=64, max_model_len=128)
+    engine = llm.engine
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=50))
+    engine.add_request("b", {"prompt_token_ids": list(range(50, 60))}, SamplingParams(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.num_blocks
+    assert engine.abort_request("a") and engine.abort_request("b")
+    assert not engine.abort_request("a")
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+    assert engine.step() == []
+
+
+def test_n_completions_share_the_prompt_blocks(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=128, max_model_len=128)
+    prompt = {"prompt_token_ids": list(range(10, 31))}
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12,
+                                              ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert llm.engine.stats.num_prefix_cached_tokens == 2 * 20  # siblings reuse 5 full blocks
+    assert _all_blocks_free(llm)
+
+
+def test_stop_conditions(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=128, max_model_len=64)
+    prompt = {"prompt_token_ids": [11, 22, 33, 44]}
+    free_run = llm.generate(prompt, SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
+    target = free_run.token_ids[5]
+    first = free_run.token_ids.index(target)
+    by_token = llm.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=[target],
+                                                   **GREEDY))[0].outputs[0]
+    assert by_token.token_ids == free_run.token_ids[:first + 1]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", target)
+    late = llm.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=[target],
+                                               min_tokens=first + 2, **GREEDY))[0].outputs[0]
+    assert len(late.token_ids) > first + 1 and target not in late.token_ids[:first + 2]
+    stop_text = free_run.text[len(free_run.text) // 2:][:3]
+    if stop_text:
+        by_string = llm.generate(prompt, SamplingParams(max_tokens=30, stop=[stop_text],
+                                                        **GREEDY))[0].outputs[0]
+        assert by_string.finish_reason == "stop" and by_string.stop_reason == stop_text
+        assert by_string.text == free_run.text[:free_run.text.index(stop_text)]
+    to_limit = llm.generate(prompt, SamplingParams(max_tokens=70, **GREEDY))[0].outputs[0]
+    assert to_limit.finish_reason == "length" and len(to_limit.token_ids) == 64 - 4
+
+
+def test_eos_ends_a_request_unless_ignored(tiny_model):
+    llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512)
+    chat = [{"role": "user", "content": "What does os.path.join do?"}]
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.text and "<|im_end|>" not in out.text
+    ignored = llm.chat(chat, SamplingParams(temperature=0, max_tokens=len(out.token_ids) + 5,
+                                            ignore_eos=True))[0].outputs[0]
+    assert ignored.finish_reason == "length"
+
+
+def test_streamed_deltas_add_up_to_the_text(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=128, max_model_len=128)
+    engine = llm.engine
+    engine.add_request("s", {"prompt_token_ids": [100, 200, 300]},
+                       SamplingParams(max_tokens=25, stop=["zz"], **GREEDY))
+    text, ids, final = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text += out.outputs[0].delta_text
+            ids += out.outputs[0].delta_token_ids
+            final = out
+    assert text == final.outputs[0].text and ids == final.outputs[0].token_ids
+
+
+def test_logprobs_match_transformers(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=128, max_model_len=128)
+    prompt = [9, 8, 7, 6, 5]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=4, logprobs=3, **GREEDY))[0].outputs[0]
+    ref = hf_logprobs(random_engine_model, prompt + out.token_ids)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[token] - float(row[token])) < 1e-4
+        top = row.topk(3).indices.tolist()
+        assert set(top) <= set(entry) and len(entry) <= 4
+    assert abs(out.cumulative_logprob - sum(e[t] for t, e in zip(out.token_ids, out.logprobs))) < 1e-4
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-5), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n must"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_invalid_sampling_params_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_invalid_prompts_raise_and_leave_nothing_behind(random_engine_model):
+    llm = LLM(str(random_engine_model), block_size=4, num_blocks=64, max_model_len=32)
+    for bad in ({"prompt_token_ids": []}, {"prompt_token_ids": [1] * 32},
+                {"prompt_token_ids": [10**6]}):
+        with pytest.raises(ValueError):
+            llm.generate([{"prompt_token_ids": [1, 2]}, bad], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests() and _all_blocks_free(llm)
+
+
+def test_sampler_filters():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    sampler = Sampler()
+    p = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.4),
+         SamplingParams(temperature=1.0, min_p=0.9), SamplingParams(temperature=0.0)]
+    for _ in range(20):
+        assert sampler(logits, p, [None] * 4).token_ids.tolist() == [0, 0, 0, 0]
+    two = [SamplingParams(temperature=1.0, top_p=0.7)] * 4  # keeps tokens 0 and 1 only
+    seen = {t for _ in range(50) for t in sampler(logits, two, [None] * 4).token_ids.tolist()}
+    assert seen == {0, 1}
+
+
+def test_sampler_draws_from_the_softmax():
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    tokens = Sampler()(logits, [SamplingParams(temperature=1.0)] * 4000, gens).token_ids.tolist()
+    freq = Counter(tokens)
+    for token, p in enumerate(probs.tolist()):
+        assert abs(freq[token] / 4000 - p) < 0.03
+
+
+# ----------------------------------------------------------------------------- scheduler alone
+
+
+def test_scheduler_policy_with_a_mock_model():
+    """Drive the Scheduler directly, standing in for the model with a fixed next token, and
+    check every step's invariants: budgets, FCFS admission, newest-first preemption, and that
+    blocks held + blocks free always add up to the pool."""
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=10, max_model_len=40)
+    lengths = [9, 3, 14, 5, 2, 7]
+    seqs = [Sequence(i, f"r{i}", [1] * n, SamplingParams(max_tokens=6, ignore_eos=True))
+            for i, n in enumerate(lengths)]
+    for seq in seqs:
+        sched.add(seq)
+    admitted, preempted_ids, steps = [], [], 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps < 200, "scheduler livelock"
+        running_before = list(sched.running)
+        plan = sched.schedule()
+        assert plan.num_batched_tokens <= 10 and len(sched.running) <= 3
+        for victim in plan.preempted:
+            assert victim is running_before[len(running_before) - 1 - plan.preempted.index(victim)]
+            preempted_ids.append(victim.seq_id)
+        admitted += [s.seq_id for s in plan.admitted if s.num_preemptions == 0]
+        held = sum(len(s.block_table) for s in sched.running)
+        assert held + bm.num_free_blocks == 10
+        sampled = {s.seq_id: 7 for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}
+        sched.postprocess(plan.scheduled, sampled)
+    assert admitted == sorted(admitted), "admission must be first-come-first-served"
+    assert preempted_ids, "a 10-block pool must force preemption here"
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 6 for s in seqs)
+    assert bm.num_free_blocks == 10
