@@ -1,3 +1,6 @@
+# Generated from solutions/02_paged_kv_cache.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Paged KV cache: a shared pool of fixed-size blocks, block tables, and prefix caching.
 
 Built in notebook 02_paged_kv_cache. Instead of one slab of ``max_model_len`` slots per
@@ -258,34 +261,35 @@ class AttentionMetadata:
     """What attention needs to know about one step's flat batch of B sequences.
 
     The step's T new tokens are the concatenation of each sequence's new tokens;
-    sequence b owns rows ``query_start_loc[b] : query_start_loc[b+1]``.
+    sequence b owns rows ``query_start_loc[b] : query_start_loc[b+1]`` and, after this step,
+    has ``seq_lens[b]`` tokens in context (cached + new).
     """
 
     slot_mapping: torch.Tensor  # (T,) int64: where each new token's k/v is written
     query_start_loc: list[int]  # (B+1,) offsets of each sequence's new tokens
-    seq_lens: list[int]  # (B,) tokens in context after this step (cached + new)
+    seq_lens: list[int]  # (B,) tokens in context after this step
     block_tables: list[list[int]]  # (B, *) each sequence's blocks
     block_size: int
-    context_slots: list[torch.Tensor]  # (B,) × (seq_len,) slots of every context token
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
               block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
         """Metadata for sequences that have ``num_computed`` tokens cached and ``num_new`` new."""
-        query_start_loc, slots, context_slots = [0], [], []
+        query_start_loc, slots = [0], []
         for table, start, n in zip(block_tables, num_computed, num_new):
             query_start_loc.append(query_start_loc[-1] + n)
-            seq_slots = slot_mapping(table, 0, start + n, block_size)
-            slots.extend(seq_slots[start:])
-            context_slots.append(torch.tensor(seq_slots, dtype=torch.long, device=device))
+            slots.extend(slot_mapping(table, start, start + n, block_size))
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_start_loc=query_start_loc,
             seq_lens=[c + n for c, n in zip(num_computed, num_new)],
             block_tables=block_tables,
             block_size=block_size,
-            context_slots=context_slots,
         )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
 
 class PagedAttention:
@@ -298,12 +302,16 @@ class PagedAttention:
     def __init__(self, pool: KVCachePool, metadata: AttentionMetadata):
         self.pool = pool
         self.metadata = metadata
+        device = metadata.slot_mapping.device
+        self.context_slots = [  # (seq_len,) pool slots of every context token, once per step
+            torch.tensor(slot_mapping(table, 0, n, metadata.block_size), device=device)
+            for table, n in zip(metadata.block_tables, metadata.seq_lens)]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = self.metadata
         self.pool.write(layer_idx, md.slot_mapping, k, v)
         out = torch.empty_like(q)  # (T, n_heads, D)
-        for b, slots in enumerate(md.context_slots):
+        for b, slots in enumerate(self.context_slots):
             start, end = md.query_start_loc[b], md.query_start_loc[b + 1]
             k_ctx, v_ctx = self.pool.gather(layer_idx, slots)  # (seq_len, n_kv, D)
             out[start:end] = causal_attention(q[start:end], k_ctx, v_ctx)

@@ -1,0 +1,105 @@
+"""Batched attention over the paged KV pool.
+
+Built in notebook 06_batched_attention. Milestone 2's ``PagedAttention`` loops over the
+sequences of a step in Python: per layer and per sequence, a gather of the whole context
+token by token and one small attention call. With 32 sequences and 24 layers that is 768
+gathers and 768 attention calls per decode step. Here each layer makes one call per *group*:
+
+* all decoding sequences (one query each) form one group: queries ``(B, 1, H, D)``;
+* all prefill chunks form another: queries padded to the longest chunk ``(B, Q, H, D)``.
+
+Keys and values are read from the pool a whole *block* at a time through the block tables —
+``pool.view(num_blocks, block_size, ...)[block_tables]`` — which copies ``block_size``
+contiguous slots per index instead of one. Rows are padded to the longest context in the
+group, and a boolean mask ``(B, 1, Q, K)`` keeps, for query i of sequence b, the keys at
+positions ``<= seq_lens[b] - q_lens[b] + i``: causal with an offset for chunks that follow
+cached tokens (SDPA's ``is_causal`` is top-left aligned, which is wrong there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kv_cache import AttentionMetadata, KVCachePool, PagedAttention
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended in one SDPA call, with everything precomputed once per step."""
+
+    rows: torch.Tensor  # (B, Q) int64: row of each query in the flat batch (padding: 0)
+    valid: torch.Tensor  # (B, Q) bool: which of those are real queries
+    block_tables: torch.Tensor  # (B, NB) int64, padded with block 0 (masked out)
+    mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool: True = may attend
+
+
+def build_group(md: AttentionMetadata, members: list[int], device: torch.device) -> AttentionGroup:
+    """Pad the members' queries and block tables into rectangles and build the mask."""
+    q_lens = [md.query_start_loc[b + 1] - md.query_start_loc[b] for b in members]
+    max_q = max(q_lens)
+    max_blocks = max(len(md.block_tables[b]) for b in members)
+    rows = torch.zeros(len(members), max_q, dtype=torch.long)
+    tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
+    for i, b in enumerate(members):
+        start = md.query_start_loc[b]
+        rows[i, :q_lens[i]] = torch.arange(start, start + q_lens[i])
+        tables[i, :len(md.block_tables[b])] = torch.tensor(md.block_tables[b])
+    q_len = torch.tensor(q_lens)  # (B,)
+    seq_len = torch.tensor([md.seq_lens[b] for b in members])  # (B,)
+    query_pos = (seq_len - q_len).unsqueeze(1) + torch.arange(max_q)  # (B, Q) absolute positions
+    key_pos = torch.arange(max_blocks * md.block_size)  # (K,)
+    valid = torch.arange(max_q) < q_len.unsqueeze(1)  # (B, Q)
+    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # (B, Q, K)
+    mask[~valid] = key_pos == 0  # padded queries see one key: no all-masked (NaN) rows
+    return AttentionGroup(rows.to(device), valid.to(device), tables.to(device),
+                          mask.unsqueeze(1).to(device))
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Read whole blocks: (num_slots, n_kv, D) cache, (B, NB) tables -> (B, n_kv, NB*bs, D)."""
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # (num_blocks, bs, n_kv, D)
+    gathered = blocks[block_tables]  # (B, NB, bs, n_kv, D)
+    return gathered.flatten(1, 2).transpose(1, 2)  # (B, n_kv, NB*bs, D)
+
+
+def attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with grouped-query heads: q (B, Q, H, D), keys/values (B, n_kv, K, D) -> (B, Q, H, D)."""
+    n_rep = q.shape[2] // keys.shape[1]
+    if n_rep > 1:  # query head h reads kv head h // n_rep
+        keys = keys.repeat_interleave(n_rep, dim=1)
+        values = values.repeat_interleave(n_rep, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+    return out.transpose(1, 2)  # (B, Q, H, D)
+
+
+class BatchedAttention:
+    """One SDPA call per layer for all decodes and one for all prefill chunks of a step."""
+
+    def __init__(self, pool: KVCachePool, metadata: AttentionMetadata):
+        self.pool = pool
+        self.metadata = metadata
+        device = metadata.slot_mapping.device
+        q_lens = [metadata.query_start_loc[b + 1] - metadata.query_start_loc[b]
+                  for b in range(metadata.num_seqs)]
+        decodes = [b for b, n in enumerate(q_lens) if n == 1]
+        prefills = [b for b, n in enumerate(q_lens) if n > 1]
+        self.groups = [build_group(metadata, members, device)
+                       for members in (decodes, prefills) if members]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.write(layer_idx, self.metadata.slot_mapping, k, v)
+        bs = self.metadata.block_size
+        out = torch.empty_like(q)  # (T, H, D)
+        for g in self.groups:
+            keys = gather_blocks(self.pool.keys(layer_idx), g.block_tables, bs)
+            values = gather_blocks(self.pool.values(layer_idx), g.block_tables, bs)
+            o = attend_group(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
+            out[g.rows[g.valid]] = o[g.valid]
+        return out
+
+
+BACKENDS = {"loop": PagedAttention, "batched": BatchedAttention}
