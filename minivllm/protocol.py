@@ -1,0 +1,252 @@
+# Generated from solutions/04_openai_server.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
+"""The OpenAI wire format: request models, errors, response bodies and Server-Sent Events.
+
+Built in notebook 04_openai_server. ``serve.py`` speaks HTTP; this module only knows what
+goes over the wire, shaped like vLLM's OpenAI server so that the ``openai`` client and
+``vllm bench serve`` work unchanged:
+
+* request models (pydantic, as FastAPI wants them) whose unknown fields are ignored, as
+  vLLM ignores them, except the few that would silently change the output (``_REFUSED``);
+* ``OpenAIError``: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
+* ``sse_event``: one ``data: {json}\\n\\n`` event of a stream;
+* ``merge_outputs``: a backlog of one request's step outputs folded into one chunk;
+* the logprobs and usage objects of both endpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from minivllm.engine import RequestOutput
+from minivllm.sampling import SamplingParams
+from minivllm.tokenizer import Tokenizer
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+
+
+class OpenAIError(Exception):
+    """An error sent to the client as OpenAI's error body (vLLM's type names and codes)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "InternalServerError")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.status}}
+
+
+# Fields we do not implement but that would change the output if a client relied on them:
+# refused with a 400 unless they hold their neutral value. Other unknown fields are ignored.
+_REFUSED: dict[str, tuple] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """The sampling fields both endpoints share (vLLM's names; None means the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, neutral in _REFUSED.items():
+            if isinstance(data, dict) and data.get(name) not in neutral:
+                raise ValueError(f"{name} is not supported by minivllm")
+        return data
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request; its ValueError messages become 400s."""
+        def given(value, default):
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
+                top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0), seed=self.seed,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:  # "<field> must be ...": the first word names the field
+            raise OpenAIError(str(e), param=str(e).split()[0]) from None
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions: a string, strings, token ids or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the legacy completions API's default
+    logprobs: int | None = None
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list; an empty one is a 400."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or not all(prompts):
+            raise OpenAIError("prompt must be a non-empty string or list of tokens",
+                              param="prompt")
+        return prompts
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_calls, ...) reach the chat template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def for_template(self) -> dict:
+        """The message as the chat template wants it: text parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" for part in self.content):
+                raise OpenAIError("only text content parts are supported", param="messages")
+            message["content"] = "\n".join(part.get("text", "") for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions: messages through the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": False} for Qwen3
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int | None:
+    """The max_tokens to run with; a 400 when the prompt (plus max_tokens) does not fit.
+
+    ``max_tokens=None`` means "up to the context length"; values < 1 are left to
+    SamplingParams, whose message says what is wrong with them.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise OpenAIError(f"The prompt has {num_prompt_tokens} tokens, but this model's maximum "
+                          f"context length is {max_model_len} tokens: no room for output.")
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt "
+            "or completion.", param="max_tokens")
+    return max_tokens
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
+                        logprobs: list[dict[int, float]], text_offset: int) -> dict:
+    """The legacy completions logprobs object for some tokens; offsets start at text_offset."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for token_id, entry in zip(token_ids, logprobs):
+        token = _token_text(tokenizer, token_id)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(entry[token_id])
+        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in entry.items()})
+        out["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int],
+                  logprobs: list[dict[int, float]], top_n: int) -> dict:
+    """The chat logprobs object: per token its logprob, bytes and the top_n alternatives."""
+    def item(token_id: int, logprob: float) -> dict:
+        token = _token_text(tokenizer, token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({**item(token_id, entry[token_id]),
+                        "top_logprobs": [item(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def sse_event(payload: dict | str) -> str:
+    """One Server-Sent Event: ``data: <payload>`` and a blank line.
+
+    A dict is sent as one line of JSON; a string (the final ``[DONE]``) as it is.
+    """
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Fold a backlog of one request's step outputs (oldest first) into one.
+
+    The result is the newest output (its cumulative text, token ids, finish reason) whose
+    completions carry the deltas of *all* the steps: nothing a client should see is lost
+    when the front end falls behind the engine and sends one chunk for several steps.
+    The inputs are not modified.
+    """
+    newest = outputs[-1]
+    merged = []
+    for i, completion in enumerate(newest.outputs):
+        delta_text = "".join(out.outputs[i].delta_text for out in outputs)
+        delta_token_ids = [t for out in outputs for t in out.outputs[i].delta_token_ids]
+        merged.append(dataclasses.replace(completion, delta_text=delta_text,
+                                          delta_token_ids=delta_token_ids))
+    return dataclasses.replace(newest, outputs=merged)

@@ -1,0 +1,98 @@
+"""Notebook 04's exercises: the learner's stubs fail loudly, and each check cell's grader
+fails on the stub and on a plausible wrong answer, and passes on the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minivllm.course import checks_04
+from minivllm.protocol import merge_outputs, sse_event
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "notebooks" / "04_openai_server.ipynb"
+
+
+@pytest.fixture(scope="module")
+def stub_protocol(tmp_path_factory):
+    """minivllm/protocol.py as the learner's stripped notebook exports it."""
+    out = tmp_path_factory.mktemp("learner")
+    subprocess.run([sys.executable, "-m", "minivllm.course", "export", "--notebook",
+                    str(NOTEBOOK), "--out", str(out)], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("learner_protocol", out / "protocol.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stubs_raise_not_implemented(stub_protocol):
+    with pytest.raises(NotImplementedError, match="Exercise 4.1"):
+        stub_protocol.sse_event({"a": 1})
+    with pytest.raises(NotImplementedError, match="Exercise 4.2"):
+        stub_protocol.merge_outputs(checks_04._backlog())
+
+
+def _sse_without_blank_line(payload):
+    """Forgets the blank line that ends an event."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n"
+
+
+def _sse_pretty(payload):
+    """Pretty-printed JSON: a multi-line event the client cannot parse."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, indent=2)}\n\n"
+
+
+def _sse_done_as_json(payload):
+    """Sends "[DONE]" JSON-quoted."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _merge_last_only(outputs):
+    """Keeps only the newest step's delta: the backlog's text is lost."""
+    return outputs[-1]
+
+
+def _merge_text_only(outputs):
+    """Merges the text but not the token ids (logprobs would shift)."""
+    merged = merge_outputs(outputs)
+    completions = [dataclasses.replace(c, delta_token_ids=list(o.delta_token_ids))
+                   for c, o in zip(merged.outputs, outputs[-1].outputs)]
+    return dataclasses.replace(merged, outputs=completions)
+
+
+def _merge_non_empty_text_only(outputs):
+    """Drops the steps whose token completed no character yet (delta_text == "")."""
+    kept = [o for o in outputs if all(c.delta_text for c in o.outputs)] or outputs[-1:]
+    if kept[-1] is not outputs[-1]:
+        kept.append(outputs[-1])
+    return merge_outputs(kept)
+
+
+def _merge_in_place(outputs):
+    """Right answer, but it overwrites the newest input."""
+    merged = merge_outputs(outputs)
+    outputs[-1].outputs[:] = merged.outputs
+    return outputs[-1]
+
+
+@pytest.mark.parametrize("wrong", [_sse_without_blank_line, _sse_pretty, _sse_done_as_json])
+def test_check_sse_event(stub_protocol, wrong):
+    checks_04.check_sse_event(sse_event)
+    for bad in (stub_protocol.sse_event, wrong):
+        with pytest.raises(AssertionError):
+            checks_04.check_sse_event(bad)
+
+
+@pytest.mark.parametrize("wrong", [_merge_last_only, _merge_text_only,
+                                   _merge_non_empty_text_only, _merge_in_place])
+def test_check_merge_outputs(stub_protocol, wrong):
+    checks_04.check_merge_outputs(merge_outputs)
+    for bad in (stub_protocol.merge_outputs, wrong):
+        with pytest.raises(AssertionError):
+            checks_04.check_merge_outputs(bad)

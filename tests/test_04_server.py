@@ -1,0 +1,288 @@
+"""Milestone 4: ``python -m minivllm.serve`` against the official ``openai`` client and httpx.
+
+One real server process (module-scoped fixture) on a free loopback port, a small engine so
+the file runs in well under a minute on two CPU cores. Every greedy output is compared with
+the offline ``LLM`` run in this process with the same engine options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import minivllm
+from minivllm import LLM, SamplingParams
+
+MODEL = os.environ.get("MINIVLLM_MODEL", minivllm.TINY_MODEL)
+NAME = "minivllm-tiny" if MODEL == minivllm.TINY_MODEL else MODEL
+MAX_MODEL_LEN = 256
+ENGINE = {"num_blocks": 96, "block_size": 16, "max_model_len": MAX_MODEL_LEN,
+          "max_num_seqs": 16, "max_num_batched_tokens": 512}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "import os\nimport"]
+CHAT = [{"role": "user", "content": "Write a haiku about tensors."}]
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli_options() -> list[str]:
+    return [arg for key, value in ENGINE.items()
+            for arg in (f"--{key.replace('_', '-')}", str(value))]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server process; at the end it must stop on SIGTERM with exit status 0."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "minivllm.serve", "--port", str(port), "--log-level",
+           "warning", *(["--model", MODEL] if MODEL != minivllm.TINY_MODEL else []),
+           *_cli_options()]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{log_path.read_text()}"
+        assert time.monotonic() < deadline, f"server did not start:\n{log_path.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        status = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    text = log_path.read_text()
+    assert status == 0, f"server exited with {status} on SIGTERM:\n{text}"
+    assert f"minivllm serving {NAME} on {url}" in text
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(MODEL, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _expected(llm, prompts, **params) -> list[list[str]]:
+    outs = llm.generate(prompts, SamplingParams(**params))
+    return [[c.text for c in out.outputs] for out in outs]
+
+
+def _stats(server) -> dict:
+    return httpx.get(f"{server}/stats").json()
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server}/health").status_code == 200
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["object"] == "list" and len(models["data"]) == 1
+    card = models["data"][0]
+    assert card["id"] == NAME and card["owned_by"] == "minivllm"
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert Path(card["root"]).resolve() == Path(MODEL).resolve()
+
+
+def test_completions_match_offline(client, llm):
+    """Two prompts in one request: choice i is prompt i, text equal to the offline LLM."""
+    out = client.completions.create(model=NAME, prompt=PROMPTS[:2], **GREEDY)
+    expected = _expected(llm, PROMPTS[:2], **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [e[0] for e in expected]
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+    prompt_tokens = sum(len(llm.get_tokenizer().encode(p)) for p in PROMPTS[:2])
+    assert out.usage.prompt_tokens == prompt_tokens
+    assert out.usage.total_tokens == prompt_tokens + out.usage.completion_tokens
+
+
+def test_completions_stream_matches_offline(client, llm):
+    """Streamed deltas concatenate to the offline text; usage comes last with no choices."""
+    stream = client.completions.create(model=NAME, prompt=PROMPTS, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    texts, finish, chunks = ["", "", ""], [None] * 3, list(stream)
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [e[0] for e in _expected(llm, PROMPTS, **GREEDY)]
+    assert all(f in ("stop", "length") for f in finish)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_token_id_prompts_and_n(client, llm):
+    """Token-id prompts (one and several); n=2 maps choice p * n + k, as vLLM does."""
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    out = client.completions.create(model=NAME, prompt=ids[0], **GREEDY)
+    expected = _expected(llm, [{"prompt_token_ids": i} for i in ids], n=2, **GREEDY)
+    assert out.choices[0].text == expected[0][0]
+    out = client.completions.create(model=NAME, prompt=ids, n=2, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [t for e in expected for t in e]
+
+
+def test_stop_echo_and_logprobs(client, llm):
+    full = _expected(llm, PROMPTS[:1], temperature=0, max_tokens=12)[0][0]
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], stop=[stop],
+                                    temperature=0, max_tokens=12)
+    assert out.choices[0].text == _expected(llm, PROMPTS[:1], temperature=0, max_tokens=12,
+                                            stop=[stop])[0][0]
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], echo=True, **GREEDY)
+    assert out.choices[0].text == PROMPTS[0] + _expected(llm, PROMPTS[:1], **GREEDY)[0][0]
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(len(top) >= 2 and max(top.values()) >= chosen - 1e-5
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_matches_offline(client, llm):
+    """Chat through the chat template, whole and streamed (role first, then content)."""
+    expected = llm.chat(CHAT, SamplingParams(**GREEDY))[0].outputs[0].text
+    out = client.chat.completions.create(model=NAME, messages=CHAT, **GREEDY)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=CHAT, stream=True, stream_options={"include_usage": True},
+        max_completion_tokens=GREEDY["max_tokens"], temperature=0, logprobs=True,
+        top_logprobs=2))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == sum(
+        len(c.choices[0].logprobs.content) for c in chunks[1:-1])
+
+
+def test_concurrent_streams_are_batched(server, llm):
+    """16 clients streaming at once all get the offline text, in far fewer engine steps
+    than tokens: the engine thread really batched them."""
+    prompts = [f"Story number {i}: once upon a time" for i in range(16)]
+    params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    expected = [e[0] for e in _expected(llm, prompts, **params)]
+    before = _stats(server)
+    results: list[str | Exception] = [""] * 16
+    start = threading.Barrier(16)
+
+    def run(i: int) -> None:
+        try:
+            c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+            start.wait()
+            for chunk in c.completions.create(model=NAME, prompt=prompts[i], stream=True,
+                                              extra_body={"ignore_eos": True}, temperature=0,
+                                              max_tokens=8):
+                results[i] += chunk.choices[0].text if chunk.choices else ""
+        except Exception as e:  # noqa: BLE001 -- reported by the assertion below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == expected
+    after = _stats(server)
+    assert after["max_batch_size"] > 1
+    assert after["num_steps"] - before["num_steps"] < 16 * 8 // 2
+
+
+BAD = {
+    "negative max_tokens": ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    "temperature < 0": ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    "top_p = 0": ({"prompt": "hi", "top_p": 0}, "top_p"),
+    "top_p > 1": ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    "n = 0": ({"prompt": "hi", "n": 0}, "n"),
+    "logprobs > 20": ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    "min_p > 1": ({"prompt": "hi", "min_p": 2}, "min_p"),
+    "wrong type": ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    "prompt not text": ({"prompt": {"text": "hi"}}, "prompt"),
+    "empty prompt": ({"prompt": ""}, "prompt"),
+    "empty prompt list": ({"prompt": []}, "prompt"),
+    "prompt too long": ({"prompt": [100] * 300}, "300"),
+    "prompt + max_tokens too long": ({"prompt": [100] * 250, "max_tokens": 10}, "260"),
+    "token id outside the vocabulary": ({"prompt": [10**9]}, "token ids"),
+    "unsupported penalty": ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    "chat: empty messages": ({"messages": []}, "messages"),
+    "chat: messages not a list": ({"messages": "hi"}, "messages"),
+    "chat: top_logprobs without logprobs": (
+        {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+}
+
+
+def _assert_error(response: httpx.Response, status: int, needle: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and needle in error["message"] + str(error["param"])
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+
+
+def _still_serving(server) -> None:
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_400(server, case):
+    body, needle = BAD[case]
+    endpoint = "chat/completions" if "messages" in body else "completions"
+    _assert_error(httpx.post(f"{server}/v1/{endpoint}", json=body), 400, needle)
+    _still_serving(server)
+
+
+def test_malformed_json_unknown_model_and_fields(server):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "hi", ',
+                   headers={"content-type": "application/json"})
+    _assert_error(r, 400, "JSON")
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "nope", "messages": CHAT})
+    _assert_error(r, 404, "The model `nope` does not exist.")
+    r = httpx.post(f"{server}/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 1, "user": "me", "whatever": [1]})
+    assert r.status_code == 200  # unknown fields are ignored, as vLLM does
+    _still_serving(server)
+
+
+def test_dropped_stream_frees_every_block(server):
+    """A client that goes away mid-stream gets its request aborted and its blocks freed."""
+    body = {"prompt": "Once upon a time", "max_tokens": 230, "ignore_eos": True,
+            "stream": True}
+    before = _stats(server)
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(events)[len("data: "):])
+        next(events)
+        assert any(i.startswith(first["id"]) for i in _stats(server)["requests_in_flight"])
+    deadline = time.monotonic() + 20
+    while True:
+        stats = _stats(server)
+        gone = not any(i.startswith(first["id"]) for i in stats["requests_in_flight"])
+        if gone and stats["num_free_blocks"] == stats["num_blocks"]:
+            break
+        assert time.monotonic() < deadline, f"blocks not freed: {stats}"
+        time.sleep(0.05)
+    assert stats["num_generated_tokens"] - before["num_generated_tokens"] < 230, "not aborted"
+    _still_serving(server)
