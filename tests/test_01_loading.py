@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_COMMON, build_checkpoint
 from safetensors.torch import load_file, save_file
 
+from checkpoints import TINY_COMMON, build_checkpoint
 from minivllm.config import (
     EngineConfig,
     ModelConfig,
