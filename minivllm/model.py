@@ -296,11 +296,12 @@ def load_model(
         loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = [name for name in expected if name not in loaded]
     if missing:
-        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {', '.join(missing)}")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:  # assign=True replaced the Parameter: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return model.requires_grad_(False).eval()  # inference only: no autograd bookkeeping
 
 
 @torch.inference_mode()
