@@ -334,8 +334,9 @@ async def final_outputs(submission: Submission, request: Request) -> list[Reques
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        task.cancel()  # no-op when it is done
-    if task.cancelled():
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
         raise OpenAIError("the client disconnected", status=499)
     if isinstance(task.exception(), RequestFailed):
         raise OpenAIError(str(task.exception()), status=500)

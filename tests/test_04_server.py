@@ -45,8 +45,9 @@ def _cli_options() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The server process; at the end it must stop on SIGTERM with exit status 0."""
+def started(tmp_path_factory):
+    """The server process and, loaded while it starts, the offline LLM with the same
+    options. At the end the server must stop on SIGTERM with exit status 0."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "minivllm.serve", "--port", str(port), "--log-level",
@@ -54,8 +55,9 @@ def server(tmp_path_factory):
            *_cli_options()]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    llm = LLM(MODEL, **ENGINE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, f"server exited early:\n{log_path.read_text()}"
         assert time.monotonic() < deadline, f"server did not start:\n{log_path.read_text()}"
@@ -64,7 +66,7 @@ def server(tmp_path_factory):
                 break
         except httpx.TransportError:
             time.sleep(0.2)
-    yield url
+    yield url, llm
     proc.terminate()
     try:
         status = proc.wait(timeout=30)
@@ -77,8 +79,13 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(MODEL, **ENGINE)
+def server(started) -> str:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def llm(started) -> LLM:
+    return started[1]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +185,7 @@ def test_chat_matches_offline(client, llm):
         len(c.choices[0].logprobs.content) for c in chunks[1:-1])
 
 
-def test_concurrent_streams_are_batched(server, llm):
+def test_concurrent_streams_are_batched(server, client, llm):
     """16 clients streaming at once all get the offline text, in far fewer engine steps
     than tokens: the engine thread really batched them."""
     prompts = [f"Story number {i}: once upon a time" for i in range(16)]
@@ -190,9 +197,8 @@ def test_concurrent_streams_are_batched(server, llm):
 
     def run(i: int) -> None:
         try:
-            c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
             start.wait()
-            for chunk in c.completions.create(model=NAME, prompt=prompts[i], stream=True,
+            for chunk in client.completions.create(model=NAME, prompt=prompts[i], stream=True,
                                               extra_body={"ignore_eos": True}, temperature=0,
                                               max_tokens=8):
                 results[i] += chunk.choices[0].text if chunk.choices else ""
