@@ -12,18 +12,23 @@ goes over the wire, shaped like vLLM's OpenAI server so that the ``openai`` clie
 * ``OpenAIError``: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status;
 * ``sse_event``: one ``data: {json}\\n\\n`` event of a stream;
 * ``merge_outputs``: a backlog of one request's step outputs folded into one chunk;
-* the logprobs and usage objects of both endpoints.
+* the logprobs and usage objects of both endpoints;
+* ``Job``: one HTTP request turned into engine requests, and engine outputs into bodies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from minivllm.engine import RequestOutput
+from minivllm.engine import CompletionOutput, RequestOutput
 from minivllm.sampling import SamplingParams
 from minivllm.tokenizer import Tokenizer
 
@@ -250,3 +255,107 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         merged.append(dataclasses.replace(completion, delta_text=delta_text,
                                           delta_token_ids=delta_token_ids))
     return dataclasses.replace(newest, outputs=merged)
+
+
+@dataclass
+class Job:
+    """One HTTP request being served: what its response bodies and chunks need to know."""
+
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    model: str  # the served name, echoed in every body
+    tokenizer: Tokenizer
+    prompt_ids: list[list[int]]  # one engine request per prompt
+    params: list[SamplingParams]
+    num_logprobs: int | None = None  # top logprobs per token; None: no logprobs at all
+    prompt_texts: list[str] = field(default_factory=list)  # for echo (completions)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.n = self.params[0].n
+
+    def engine_requests(self) -> list[tuple[str, list[int], SamplingParams]]:
+        """Prompt p is engine request "<id>-p"; its completion k is choice p * n + k (vLLM)."""
+        return [(f"{self.id}-{p}", ids, params)
+                for p, (ids, params) in enumerate(zip(self.prompt_ids, self.params))]
+
+    def body(self, choices: list[dict], usage: dict | None = None, chunk: bool = False) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices}
+        return body if usage is None else {**body, "usage": usage}
+
+    def choice(self, index: int, text: str, logprobs: dict | None, completion: CompletionOutput,
+               delta: bool) -> dict:
+        if not self.chat:
+            content = {"text": text}
+        elif delta:
+            content = {"delta": {"content": text}}
+        else:
+            content = {"message": {"role": "assistant", "content": text}}
+        return {"index": index, **content, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int) -> dict | None:
+        """The logprobs object of ``token_ids``, the last tokens of a completion."""
+        if self.num_logprobs is None or entries is None:
+            return None
+        entries = entries[len(entries) - len(token_ids):]
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, entries, self.num_logprobs)
+        return completion_logprobs(self.tokenizer, token_ids, entries, text_offset)
+
+    def echo(self, prompt_index: int) -> str:
+        return self.prompt_texts[prompt_index] if self.prompt_texts else ""
+
+    def usage(self, outputs) -> dict:
+        generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        return usage(sum(map(len, self.prompt_ids)), generated)
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The non-streaming body: every choice with its whole text, and usage."""
+        choices = []
+        for p, out in enumerate(finals):
+            for c in out.outputs:
+                prefix = self.echo(p)
+                logprobs = self.logprobs(c.token_ids, c.logprobs, len(prefix))
+                choices.append(self.choice(p * self.n + c.index, prefix + c.text, logprobs, c,
+                                           delta=False))
+        return self.body(choices, usage=self.usage(finals))
+
+
+def completion_job(body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+                   model: str) -> Job:
+    """Tokenize the prompts and check every field of a /v1/completions request."""
+    prompts = body.prompts()
+    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if body.echo and body.logprobs is not None:
+        raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
+    params = [body.sampling_params(check_length(len(ids), body.max_tokens, max_model_len),
+                                   body.logprobs) for ids in prompt_ids]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
+    return Job(False, model, tokenizer, prompt_ids, params, body.logprobs, texts, body.stream,
+               body.include_usage)
+
+
+def chat_job(body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+             model: str) -> Job:
+    """Render the messages through the chat template and check every field."""
+    if not body.messages:
+        raise OpenAIError("messages must not be empty", param="messages")
+    messages = [m.for_template() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt,
+                                             **(body.chat_template_kwargs or {}))
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+    prompt_ids = tokenizer.encode(text)
+    max_tokens = check_length(len(prompt_ids), body.requested_max_tokens(), max_model_len)
+    num_logprobs = body.num_logprobs()
+    params = body.sampling_params(max_tokens, num_logprobs)
+    return Job(True, model, tokenizer, [prompt_ids], [params], num_logprobs, [], body.stream,
+               body.include_usage)

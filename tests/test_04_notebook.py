@@ -27,8 +27,10 @@ def stub_protocol(tmp_path_factory):
                     str(NOTEBOOK), "--out", str(out)], check=True, capture_output=True)
     spec = importlib.util.spec_from_file_location("learner_protocol", out / "protocol.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
+    yield module
+    del sys.modules[spec.name]
 
 
 def test_stubs_raise_not_implemented(stub_protocol):
