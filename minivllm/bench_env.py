@@ -1,0 +1,197 @@
+# Generated from solutions/05_benchmark.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
+"""The machine a benchmark runs on: what it is, and what else runs on it.
+
+Built in notebook 05_benchmark. A result is only worth what is written next to it:
+``environment()`` records the device, dtype, library versions, model shape and git commit;
+``Monitor`` samples, while a run lasts, the engine's peak memory and the CPU that *other*
+processes used. On a 2-core machine a neighbour compiling something halves the numbers,
+so every record carries ``load.busy`` and the table flags it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class Monitor:
+    """While a run lasts: the peak memory of the engine and the CPU used by *others*.
+
+    A thread samples every ``interval`` seconds the RSS of the engine process
+    (``memory_pid``), or the GPU memory in use on the device when
+    ``memory_kind="cuda_device_used"`` (for servers in other processes). At the end,
+    ``other_cpu_percent`` is the machine's busy CPU time minus that of this benchmark's
+    process tree (``root_pid`` and its descendants), as a percentage of all cores.
+    """
+
+    def __init__(self, memory_pid: int | None, root_pid: int | None = None,
+                 memory_kind: str | None = "rss", interval: float = 0.1) -> None:
+        self.memory_pid, self.memory_kind, self.interval = memory_pid, memory_kind, interval
+        self.root_pid = root_pid or os.getpid()
+        self.peak_memory_bytes: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_loop, daemon=True)
+
+    def _memory(self) -> int | None:
+        if self.memory_kind == "cuda_device_used":
+            import torch
+
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        if self.memory_kind == "rss" and self.memory_pid is not None:
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(self.memory_pid).memory_info().rss
+        return None
+
+    def _sample(self) -> None:
+        value = self._memory()
+        if value is not None:
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0, value)
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> Monitor:  # noqa: PYI034 (typing.Self needs 3.11)
+        self.loadavg_start = os.getloadavg()
+        self._t0, self._sys0 = time.monotonic(), psutil.cpu_times()
+        self._ours0 = _cpu_seconds(_tree(self.root_pid))
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        wall, sys1 = time.monotonic() - self._t0, psutil.cpu_times()
+
+        def busy(t) -> float:  # guest time is already inside user time
+            return sum(getattr(t, k, 0.0) for k in
+                       ("user", "nice", "system", "irq", "softirq", "steal"))
+
+        others = busy(sys1) - busy(self._sys0) - (_cpu_seconds(_tree(self.root_pid)) - self._ours0)
+        cores = psutil.cpu_count() or 1
+        self.other_cpu_percent = max(0.0, 100.0 * others / (wall * cores)) if wall > 0 else 0.0
+        self.loadavg_end = os.getloadavg()
+
+    def load(self) -> dict:
+        """What the record stores about the machine's load during the run."""
+        return {"loadavg_start": [round(x, 2) for x in self.loadavg_start],
+                "loadavg_end": [round(x, 2) for x in self.loadavg_end],
+                "other_cpu_percent": round(self.other_cpu_percent, 1),
+                "busy": self.other_cpu_percent > BUSY_CPU_PERCENT}
+
+
+def model_summary(path: str | Path) -> dict:
+    """The shape of a checkpoint (from config.json) and its parameter count (from the
+    safetensors headers, without loading a tensor)."""
+    path = Path(path)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
+    summary = {k: config.get(k) for k in keys}
+    with contextlib.suppress(Exception):
+        from safetensors import safe_open
+
+        count = 0
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    shape = f.get_slice(name).get_shape()
+                    count += math.prod(shape)
+        summary["num_params"] = count
+    return summary
+
+
+def regular_vocab_size(path: str | Path) -> int:
+    """Token ids below the first added (special) token: what random prompts draw from."""
+    path, size = Path(path), 151643
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        size = json.loads((path / "config.json").read_text())["vocab_size"]
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        added = json.loads((path / "tokenizer.json").read_text())["added_tokens"]
+        size = min([size, *(t["id"] for t in added)])
+    return size
+
+
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                             timeout=10, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model and core count."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name} ({psutil.cpu_count()} CPUs)"
+
+
+def environment(model: str, device: str, dtype: str) -> dict:
+    """Everything a result depends on besides the engine's own options."""
+    import torch
+
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"device": device, "device_name": device_name(device), "dtype": dtype,
+            "torch": torch.__version__, "transformers": _version("transformers"),
+            "vllm": _version("vllm"), "python": platform.python_version(),
+            "hostname": socket.gethostname(), "cpu_count": psutil.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "model": str(model),
+            "model_shape": model_summary(model), "git_commit": _git("rev-parse", "HEAD"),
+            "git_dirty": bool(status) if status is not None else None}

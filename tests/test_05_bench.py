@@ -1,0 +1,239 @@
+"""Milestone 5: the benchmark harness (minivllm/bench*.py, notebook 05_benchmark).
+
+The metrics must be right on streams whose timings are known exactly (hand-computed
+below), the workloads must be identical for every engine and every call, and a short real
+run must produce a well-formed record for every engine that can run here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minivllm.bench import (
+    BenchOptions,
+    main,
+    parse_args,
+    parse_engine_options,
+    run_benchmark,
+    serve_flags,
+)
+from minivllm.bench_metrics import (
+    BenchRequest,
+    RequestResult,
+    format_table,
+    make_workload,
+    percentile,
+    request_latency,
+    summarize,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+METRIC_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+               for s in ("mean", "median", "p99")]
+RECORD_KEYS = ["schema", "time", "label", "engine", "workload", "concurrency", "ramp",
+               "num_requests", "completed", "failures", "duration_s", "total_input_tokens",
+               "total_output_tokens", "request_throughput", "output_throughput",
+               "total_token_throughput", *METRIC_KEYS, "peak_memory_bytes",
+               "peak_memory_kind", "load", "errors", "env"]
+ENV_KEYS = ["device", "device_name", "dtype", "torch", "model", "model_shape", "git_commit",
+            "cpu_count", "torch_threads"]
+
+
+# --- metrics on a synthetic stream -----------------------------------------------------------
+
+
+def test_percentile_interpolates_between_ranks():
+    """Guards nearest-rank percentiles: vLLM (numpy) interpolates, and the p99 of a short
+    run differs a lot between the two."""
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert percentile([4, 1, 3, 2], 99) == pytest.approx(3.97)
+    assert percentile([15, 20, 35, 40, 50], 40) == pytest.approx(29.0)
+    assert percentile([7], 99) == 7
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_request_latency_from_known_timestamps():
+    """Guards TTFT measured from the first token (always 0) or from admission instead of
+    from when the request was sent, and TPOT divided by all tokens instead of n - 1."""
+    lat = request_latency(RequestResult(8, start=10.0, chunk_times=[10.5, 10.6, 10.8, 11.1],
+                                        end=11.1, output_tokens=4))
+    assert lat.ttft == pytest.approx(0.5)
+    assert lat.itls == pytest.approx([0.1, 0.2, 0.3])
+    assert lat.tpot == pytest.approx(0.2)
+    assert lat.e2el == pytest.approx(1.1)
+    one = request_latency(RequestResult(8, start=0.0, chunk_times=[0.3], end=0.35,
+                                        output_tokens=1))
+    assert (one.tpot, one.itls) == (None, [])
+
+
+def test_summarize_known_run():
+    """Two requests and one failure over 2 s, every number computed by hand; the failure
+    is counted and left out of every average."""
+    results = [
+        RequestResult(10, 0.0, [0.5, 0.6, 0.8, 1.1], 1.1, 4),  # ttft .5 tpot .2 e2el 1.1
+        RequestResult(20, 0.5, [1.5, 1.6, 2.0], 2.0, 3),  # ttft 1.0 tpot .25 e2el 1.5
+        RequestResult(30, 0.0, error="HTTP 500"),
+    ]
+    m = summarize(results, duration=2.0)
+    assert (m["completed"], m["failures"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (30, 7)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(3.5)
+    assert m["total_token_throughput"] == pytest.approx(18.5)
+    assert m["mean_ttft_ms"] == pytest.approx(750)
+    assert m["median_ttft_ms"] == pytest.approx(750)
+    assert m["p99_ttft_ms"] == pytest.approx(995)  # 500 + 0.99 * 500
+    assert m["mean_tpot_ms"] == pytest.approx(225)
+    assert m["mean_e2el_ms"] == pytest.approx(1300)
+    itls = [100, 200, 300, 100, 400]  # pooled over both requests
+    assert m["mean_itl_ms"] == pytest.approx(sum(itls) / 5)
+    assert m["median_itl_ms"] == pytest.approx(200)
+    assert m["p99_itl_ms"] == pytest.approx(396)  # rank 3.96 of [100,100,200,300,400]
+    empty = summarize([RequestResult(1, error="x")], duration=1.0)
+    assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None
+
+
+def test_table_flags_busy_machine_and_quotes_ratios():
+    base = {"workload": "fixed", "concurrency": 8, "completed": 1, "failures": 0}
+    records = [{**base, "engine": "transformers", "output_throughput": 100.0,
+                "load": {"busy": False, "other_cpu_percent": 1.0}},
+               {**base, "engine": "minivllm", "output_throughput": 250.0,
+                "peak_memory_bytes": 2**30, "load": {"busy": True, "other_cpu_percent": 40.0}}]
+    table = format_table(records)
+    assert "minivllm / transformers output throughput, fixed c=8: 2.50x" in table
+    assert "not valid" in table and "1024" in table
+
+
+# --- workloads ---------------------------------------------------------------------------
+
+
+def test_workloads_are_seeded_and_identical_across_calls():
+    """Every engine must see the same requests: same arguments, same workload."""
+    for kind in ("fixed", "mixed"):
+        a = make_workload(kind, 20, 64, 32, seed=3, vocab_size=1000, salt=8)
+        assert a == make_workload(kind, 20, 64, 32, seed=3, vocab_size=1000, salt=8)
+        assert a != make_workload(kind, 20, 64, 32, seed=4, vocab_size=1000, salt=8)
+        assert a != make_workload(kind, 20, 64, 32, seed=3, vocab_size=1000, salt=16)
+        assert all(0 <= t < 1000 for r in a for t in r.prompt_token_ids)
+    fixed = make_workload("fixed", 20, 64, 32)
+    assert {len(r.prompt_token_ids) for r in fixed} == {64}
+    assert {r.output_len for r in fixed} == {32}
+    mixed = make_workload("mixed", 200, 64, 32, range_ratio=0.5)
+    lens = [r.output_len for r in mixed]
+    assert min(lens) >= 16 and max(lens) <= 48 and len(set(lens)) > 10
+    assert all(32 <= len(r.prompt_token_ids) <= 96 for r in mixed)
+    with pytest.raises(ValueError):
+        make_workload("bursty", 1, 1, 1)
+
+
+# --- options ----------------------------------------------------------------------------
+
+
+def test_engine_options_parse_by_field_type_and_map_to_serve_flags():
+    opts = parse_engine_options(["attention_backend=loop", "max_num_seqs=128",
+                                 "enable_prefix_caching=false", "max_model_len=None",
+                                 "gpu_memory_utilization=0.5"])
+    assert opts == {"attention_backend": "loop", "max_num_seqs": 128,
+                    "enable_prefix_caching": False, "max_model_len": None,
+                    "gpu_memory_utilization": 0.5}
+    assert serve_flags(opts) == ["--attention-backend", "loop", "--max-num-seqs", "128",
+                                 "--no-prefix-caching", "--gpu-memory-utilization", "0.5"]
+    with pytest.raises(SystemExit):
+        parse_engine_options(["no_such_field=1"])
+    parsed, out = parse_args(["--concurrency", "1,8,32", "--ramp", "--ramp-cap", "128"])
+    assert parsed.engine_options["max_num_seqs"] == 128  # the engine must admit the ramp
+    assert out.parent == Path("bench/results") and out.suffix == ".jsonl"
+
+
+# --- short real runs on the bundled model ------------------------------------------------------
+
+
+def _options(model: Path, engines: list[str], **kw) -> BenchOptions:
+    defaults = {"workloads": ["fixed", "mixed"], "concurrency": [2], "num_requests": 3,
+                "input_len": 8, "output_len": 4, "isolate": False, "label": "test",
+                "warmup": False}
+    return BenchOptions(model=str(model), engines=engines, **(defaults | kw))
+
+
+def _check_records(records: list[dict], engine: str, workloads: list[str]) -> None:
+    mine = [r for r in records if r["engine"] == engine]
+    assert [r["workload"] for r in mine] == workloads
+    for r in mine:
+        assert all(k in r for k in RECORD_KEYS), [k for k in RECORD_KEYS if k not in r]
+        assert all(k in r["env"] for k in ENV_KEYS)
+        assert (r["completed"], r["failures"], r["errors"]) == (3, 0, [])
+        expected = sum(q.output_len for q in make_workload(
+            r["workload"], 3, 8, 4, vocab_size=151643, salt=2))
+        assert r["total_output_tokens"] == expected  # only each request's own tokens
+        assert r["output_throughput"] > 0 and r["peak_memory_bytes"] > 0
+        assert all(r[k] is not None and r[k] >= 0 for k in METRIC_KEYS)
+        assert r["p99_ttft_ms"] >= r["median_ttft_ms"] > 0
+        assert set(r["load"]) >= {"loadavg_start", "other_cpu_percent", "busy"}
+
+
+def test_short_run_minivllm_and_transformers(tiny_model, tmp_path):
+    out = tmp_path / "results.jsonl"
+    opts = _options(tiny_model, ["minivllm", "transformers"], workloads=["mixed"],
+                    engine_options={"block_size": 8})
+    records = run_benchmark(opts, out)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines == json.loads(json.dumps(records))  # each record appended as one line
+    _check_records(records, "minivllm", ["mixed"])
+    _check_records(records, "transformers", ["mixed"])
+    env = records[0]["env"]
+    assert env["engine_options"]["block_size"] == 8  # --engine-option reached the engine
+    assert env["attention_backend"] == env["engine_options"]["attention_backend"]
+    assert env["model_shape"]["num_hidden_layers"] > 0 and records[0]["label"] == "test"
+
+
+@pytest.mark.skipif(not (REPO / "minivllm" / "serve.py").is_file(),
+                    reason="minivllm/serve.py (Milestone 4) is not there yet")
+def test_short_run_minivllm_server(tiny_model, tmp_path):
+    records = run_benchmark(_options(tiny_model, ["minivllm-server"], workloads=["mixed"]),
+                            tmp_path / "r.jsonl")
+    _check_records(records, "minivllm-server", ["mixed"])
+    assert records[0]["peak_memory_kind"] == "rss"  # the server process's RSS
+
+
+def test_vllm_row_is_skipped_not_faked(tiny_model, capsys):
+    """Without vLLM and CUDA the row must be absent, with a message saying why."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("vLLM and CUDA are present: the row would really run")
+    assert run_benchmark(_options(tiny_model, ["vllm", "openai"]), None) == []
+    out = capsys.readouterr().out
+    assert "skipping vllm" in out and "skipping openai: no --base-url" in out
+
+
+def test_cli_isolated_run_prints_table(tiny_model, tmp_path):
+    """The command line, with the engine in its own process (the default)."""
+    out = tmp_path / "cli.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm.bench", "--model", str(tiny_model), "--engines",
+         "minivllm", "--workloads", "fixed", "--concurrency", "2", "--num-requests", "2",
+         "--input-len", "8", "--output-len", "4", "--label", "cli", "--out", str(out)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "out tok/s" in proc.stdout and f"appended 1 record(s) to {out}" in proc.stdout
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["label"] == "cli" and record["completed"] == 2
+    assert record["peak_memory_bytes"] > 0 and not math.isnan(record["output_throughput"])
+
+
+def test_main_without_runnable_engine_fails(capsys):
+    assert main(["--engines", "openai", "--workloads", "fixed", "--concurrency", "1"]) == 1
+    assert "no --base-url" in capsys.readouterr().out
+
+
+def test_bench_request_is_a_plain_value():
+    assert BenchRequest([1, 2], 3) == BenchRequest([1, 2], 3)
