@@ -151,12 +151,13 @@ def test_token_id_prompts_and_n(client, llm):
 
 
 def test_stop_echo_and_logprobs(client, llm):
-    full = _expected(llm, PROMPTS[:1], temperature=0, max_tokens=12)[0][0]
+    params = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    full = _expected(llm, PROMPTS[:1], **params)[0][0]
     stop = full[len(full) // 2:len(full) // 2 + 2]
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], stop=[stop],
-                                    temperature=0, max_tokens=12)
-    assert out.choices[0].text == _expected(llm, PROMPTS[:1], temperature=0, max_tokens=12,
-                                            stop=[stop])[0][0]
+                                    temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == _expected(llm, PROMPTS[:1], stop=[stop], **params)[0][0]
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == stop
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], echo=True, **GREEDY)
     assert out.choices[0].text == PROMPTS[0] + _expected(llm, PROMPTS[:1], **GREEDY)[0][0]
     out = client.completions.create(model=NAME, prompt=PROMPTS[0], logprobs=2, **GREEDY)
