@@ -1,3 +1,6 @@
+# Generated from solutions/03_continuous_batching.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """The engine loop and the offline ``LLM`` API.
 
 Built in notebook 03_continuous_batching. ``LLMEngine.step()`` is one turn of the loop:
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.compile import DecodeInputs, compile_enabled_by_default, try_compile
 from minivllm.config import (
     EngineConfig,
     ModelConfig,
@@ -35,7 +39,7 @@ from minivllm.kv_cache import (
     num_blocks_for_budget,
 )
 from minivllm.model import load_model
-from minivllm.sampling import Sampler, SamplingParams
+from minivllm.sampling import Sampler, SamplerOutput, SamplingParams, exponential_noise
 from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -129,8 +133,11 @@ class LLMEngine:
         self.num_blocks = self._num_blocks()
         check_pool_fits(self.num_blocks, config.block_size, self.max_model_len)
         mc = self.model_config
-        self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks, config.block_size,
-                                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        use_compile = compile_enabled_by_default() if config.compile is None else config.compile
+        # a compiled decode step pads its batch with rows that write into one scratch block
+        self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks + int(use_compile),
+                                config.block_size, mc.num_key_value_heads, mc.head_dim,
+                                self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -138,6 +145,11 @@ class LLMEngine:
                                    self.eos_token_ids)
         self.attention_cls = attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        self.decoder = None  # Milestone 7: the compiled decode step
+        if use_compile:
+            self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
+                                       self.num_blocks, self.device, mc.vocab_size)
+        self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
         self.stats = EngineStats()
         self.requests: dict[str, _Request] = {}
         self._text: dict[int, _TextState] = {}
@@ -258,28 +270,51 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _run_model(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
-        input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
-        hidden = self.model(input_ids, positions, self.attention_cls(self.pool, metadata))
-        if not seqs:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
-        out = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                           [self._banned_ids(s) for s in seqs])
+        seqs = [seq for seq, _ in scheduled]
+        banned = [self._banned_ids(s) for s in seqs]
+        if self.decoder is not None and all(n == 1 for _, n in scheduled) and not any(banned):
+            out = self._decode_compiled(seqs)
+        else:
+            input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
+            hidden = self.model(input_ids, positions, self.attention_cls(self.pool, metadata))
+            if not seqs:
+                return {}
+            logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
+            out = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                               [self._banned_ids(s) for s in seqs])
         tokens = out.token_ids.tolist()
         if out.logprobs is not None:
-            chosen = out.logprobs.tolist()
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            for i, seq in enumerate(seqs):
-                k = seq.params.logprobs
-                if k is None:
-                    continue
-                seq.cumulative_logprob += chosen[i]
-                entry = {tokens[i]: chosen[i]}
-                if k > 0 and top_ids is not None:
-                    entry.update(zip(top_ids[i][:k], top_lp[i][:k]))
-                seq.logprobs.append(entry)
+            self._record_logprobs(seqs, tokens, out)
         return {seq.seq_id: token for seq, token in zip(seqs, tokens)}
+
+    def _decode_compiled(self, seqs: list[Sequence]) -> SamplerOutput:
+        """A pure decode step through the compiled pipeline (Milestone 7)."""
+        batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
+                             [s.block_table for s in seqs])
+        logits = self.decoder.logits(batch)  # (B, V)
+        params = [s.params for s in seqs]
+        if all(p.is_greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            noise = exponential_noise(len(seqs), logits.shape[-1],
+                                      [s.generator for s in seqs], self.device)
+            tokens = self.decoder.sample(logits, params, noise)
+        return Sampler._logprobs(logits, tokens, params)
+
+    @staticmethod
+    def _record_logprobs(seqs: list[Sequence], tokens: list[int], out: SamplerOutput) -> None:
+        chosen = out.logprobs.tolist()
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        for i, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                continue
+            seq.cumulative_logprob += chosen[i]
+            entry = {tokens[i]: chosen[i]}
+            if k > 0 and top_ids is not None:
+                entry.update(zip(top_ids[i][:k], top_lp[i][:k]))
+            seq.logprobs.append(entry)
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         """min_tokens: EOS and stop token ids may not be sampled until it is reached."""

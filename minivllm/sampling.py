@@ -1,3 +1,6 @@
+# Generated from solutions/03_continuous_batching.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Sampling parameters and the batched sampler.
 
 Built in notebook 03_continuous_batching. ``SamplingParams`` mirrors vLLM's names and
@@ -129,18 +132,22 @@ def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """q ~ Exp(1), shape (rows, vocab). Rows with a generator draw their own noise from it
+    (per-request seeds); the others share one batched draw from the global generator."""
+    q = torch.empty(rows, vocab, device=device).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            q[row] = torch.empty(vocab).exponential_(generator=gen).to(device)
+    return q
+
+
 def exponential_race(
     probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """Sample one token per row: argmax(p / q) with q ~ Exp(1) is a draw from p.
-
-    Rows with a generator draw their own noise from it (per-request seeds); the
-    others share one batched draw from the global generator.
-    """
-    q = torch.empty_like(probs).exponential_()  # (B, V)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            q[row] = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=gen)
+    """Sample one token per row: argmax(p / q) with q ~ Exp(1) is a draw from p."""
+    q = exponential_noise(probs.shape[0], probs.shape[-1], generators, probs.device)
     return (probs / q).argmax(dim=-1)
 
 
@@ -183,7 +190,8 @@ class Sampler:
         sampled_ids = exponential_race(logits.softmax(dim=-1), generators)
         return torch.where(greedy, greedy_ids, sampled_ids)
 
-    def _logprobs(self, raw_logits, token_ids, params) -> SamplerOutput:
+    @staticmethod
+    def _logprobs(raw_logits, token_ids, params) -> SamplerOutput:
         """Logprobs are those of the model's raw distribution, as vLLM reports them."""
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if not wanted:

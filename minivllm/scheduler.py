@@ -1,3 +1,6 @@
+# Generated from solutions/03_continuous_batching.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Sequences and the continuous-batching scheduler.
 
 Built in notebook 03_continuous_batching. Every engine step the scheduler decides which

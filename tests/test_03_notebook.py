@@ -1,0 +1,179 @@
+"""Notebook 03_continuous_batching: every check cell fails on the learner's stubs and on
+planted wrong answers, and passes on the reference package objects.
+
+The learner's modules are exported from notebooks/03_continuous_batching.ipynb into a
+temporary folder and imported from there. Planted wrong answers are "mutants": the package
+module's source with one line changed (each mutation asserts that its target text exists,
+so a refactor that removes it fails here loudly instead of testing nothing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from hf_oracle import random_engine_model  # noqa: F401 (fixture)
+
+import minivllm.sampling as ref_sampling
+import minivllm.scheduler as ref_scheduler
+from minivllm.course import checks_03 as checks
+from minivllm.course import export_notebook
+from minivllm.engine import LLMEngine
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_continuous_batching.ipynb"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory):
+    """The stubbed modules a learner starts from, exported from the learner's notebook."""
+    out = tmp_path_factory.mktemp("nb03")
+    export_notebook(NOTEBOOK, out_dir=out, echo=lambda _: None)
+    return {name: _load(out / f"{name}.py", f"nb03_learner_{name}")
+            for name in ("scheduler", "sampling", "engine")}
+
+
+_count = iter(range(10_000))
+
+
+def mutant(module, *edits: tuple[str, str]):
+    """The module re-imported from its source with each (old, new) replacement applied."""
+    source = Path(module.__file__).read_text()
+    for old, new in edits:
+        assert old in source, f"mutation target {old!r} is no longer in {module.__name__}"
+        source = source.replace(old, new)
+    path = Path(module.__file__).with_name(f"_mutant_{next(_count)}.py")
+    name = f"nb03_mutant_{path.stem}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (a mutant)
+    return module
+
+
+def _graders(sch, smp):
+    return {
+        "schedule": lambda: checks.check_schedule(sch.Scheduler, sch.Sequence),
+        "stop": lambda: checks.check_stop(sch.Scheduler, sch.Sequence),
+        "top_k": lambda: checks.check_top_k(smp.mask_top_k),
+        "top_p": lambda: checks.check_top_p(smp.mask_top_p),
+        "min_p": lambda: checks.check_min_p(smp.mask_min_p),
+        "noise": lambda: checks.check_exponential_noise(smp.exponential_noise),
+        "race": lambda: checks.check_exponential_race(smp.exponential_race),
+    }
+
+
+GRADERS = list(_graders(ref_scheduler, ref_sampling))
+
+
+def test_every_exercise_is_a_stub(learner):
+    import torch
+
+    sch, smp = learner["scheduler"], learner["sampling"]
+    bm = ref_scheduler.BlockManager(4, 4)
+    sched = sch.Scheduler(bm, 2, 8, 16)
+    seq = sch.Sequence(0, "r", [1, 2], ref_sampling.SamplingParams())
+    calls = {
+        "Exercise 3.1": lambda: sched.schedule(),
+        "Exercise 3.2": lambda: sched.check_stop(seq, 2),
+        "Exercise 3.3: mask_top_k": lambda: smp.mask_top_k(torch.zeros(1, 4), torch.tensor([1])),
+        "Exercise 3.3: mask_top_p": lambda: smp.mask_top_p(torch.zeros(1, 4), torch.tensor([0.5])),
+        "Exercise 3.3: mask_min_p": lambda: smp.mask_min_p(torch.zeros(1, 4), torch.tensor([0.1])),
+        "Exercise 3.4: exponential_noise": lambda: smp.exponential_noise(1, 4, [None]),
+        "Exercise 3.4: exponential_race": lambda: smp.exponential_race(torch.ones(1, 4) / 4, [None]),
+    }
+    for label, call in calls.items():
+        with pytest.raises(NotImplementedError, match=label):
+            call()
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+def test_check_fails_on_the_stub(learner, grader, capsys):
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        _graders(learner["scheduler"], learner["sampling"])[grader]()
+    assert "passed" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+def test_check_passes_on_the_reference(grader, capsys):
+    _graders(ref_scheduler, ref_sampling)[grader]()
+    assert "✅" in capsys.readouterr().out
+
+
+SCHEDULER_MUTANTS = {
+    "preempts the oldest running sequence": (
+        "schedule", [("victim = self.running.pop()", "victim = self.running.pop(0)")]),
+    "admits the newest waiting sequence first": (
+        "schedule", [("seq = self.waiting[0]", "seq = self.waiting[-1]"),
+                     ("self.waiting.popleft()", "self.waiting.pop()")]),
+    "ignores max_num_seqs": ("schedule", [("and len(self.running) < self.max_num_seqs", "")]),
+    "admits without charging the budget": (
+        "schedule", [("out.admitted.append(seq)\n            budget -= n",
+                      "out.admitted.append(seq)")]),
+    "stops on EOS despite ignore_eos": ("stop", [("not p.ignore_eos and ", "")]),
+    "stops before min_tokens": ("stop", [("if seq.num_output_tokens >= p.min_tokens:",
+                                          "if True:")]),
+    "runs one token past max_tokens": ("stop", [("seq.num_output_tokens >= p.max_tokens",
+                                                 "seq.num_output_tokens > p.max_tokens")]),
+}
+
+SAMPLING_MUTANTS = {
+    "top_k keeps k+1 tokens": ("top_k", [("(k - 1).unsqueeze(-1)",
+                                          "k.clamp(max=vocab - 1).unsqueeze(-1)")]),
+    "top_p drops the top token when it alone exceeds p": (
+        "top_p", [("mass_before = probs.cumsum(dim=-1) - probs",
+                   "mass_before = probs.cumsum(dim=-1)")]),
+    "top_p keeps the mask in sorted order": (
+        "top_p", [("drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)",
+                   "drop = drop_sorted")]),
+    "min_p uses an absolute threshold": (
+        "min_p", [("probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)",
+                   "min_p.unsqueeze(-1)")]),
+    "race takes the argmax of p (greedy)": (
+        "race", [("return (probs / q).argmax(dim=-1)", "return probs.argmax(dim=-1)")]),
+    "race multiplies by the noise": (
+        "race", [("return (probs / q).argmax(dim=-1)", "return (probs * q).argmax(dim=-1)")]),
+    "noise ignores the per-request generators (race)": (
+        "race", [("if gen is not None:", "if False:")]),
+    "noise ignores the per-request generators": ("noise", [("if gen is not None:", "if False:")]),
+    "noise is uniform, not exponential": ("noise", [(".exponential_(", ".uniform_(")]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULER_MUTANTS) + list(SAMPLING_MUTANTS))
+def test_check_fails_on_a_planted_wrong_answer(name, capsys):
+    if name in SCHEDULER_MUTANTS:
+        grader, edits = SCHEDULER_MUTANTS[name]
+        sch, smp = mutant(ref_scheduler, *edits), ref_sampling
+    else:
+        grader, edits = SAMPLING_MUTANTS[name]
+        sch, smp = ref_scheduler, mutant(ref_sampling, *edits)
+    with pytest.raises(AssertionError):
+        _graders(sch, smp)[grader]()
+    assert "✅" not in capsys.readouterr().out
+
+
+def test_engine_check(learner, random_engine_model, capsys):  # noqa: F811 (fixture)
+    """The end-to-end check passes on the reference classes and fails on the stub scheduler
+    and on a sampler whose seeded rows ignore their generators."""
+    sch, smp = ref_scheduler, ref_sampling
+    checks.check_engine(LLMEngine, sch.Scheduler, sch.Sequence, smp.Sampler, random_engine_model)
+    assert "✅" in capsys.readouterr().out
+    stub = learner["scheduler"]
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        checks.check_engine(LLMEngine, stub.Scheduler, stub.Sequence, smp.Sampler,
+                            random_engine_model)
+    unseeded = mutant(ref_sampling, ("if gen is not None:", "if False:"))
+    with pytest.raises(AssertionError, match="seeded request"):
+        checks.check_engine(LLMEngine, sch.Scheduler, sch.Sequence, unseeded.Sampler,
+                            random_engine_model)
+    assert "✅" not in capsys.readouterr().out
