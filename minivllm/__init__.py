@@ -28,7 +28,16 @@ _LAZY = {
     "ModelConfig": "config",
 }
 
-__all__ = ["TINY_MODEL", *_LAZY]
+__all__ = [
+    "LLM",
+    "TINY_MODEL",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str):

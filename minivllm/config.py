@@ -173,8 +173,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # most tokens (prefill + decode) in one step
     max_model_len: int | None = None  # longest prompt+output; None -> the model's limit
     enable_prefix_caching: bool = True  # share KV blocks between identical prompt prefixes
-    attention_backend: str = "loop"  # "loop" (per-sequence, M2); later "batched" (M6)
-    compile: bool = False  # compile the decode step (M7)
+    attention_backend: str = "batched"  # "batched" (one call per layer, M6) or "loop" (M2)
+    compile: bool | None = None  # compile the decode step (M7); None -> $MINIVLLM_COMPILE, on
     seed: int = 0  # default seed for sampling
 
     def __post_init__(self) -> None:

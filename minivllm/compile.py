@@ -1,0 +1,189 @@
+"""The compiled decode step: embedding through sampling as one compiled function.
+
+Built in notebook 07_compiled_decode. After Milestone 6 a decode step of a small model is
+dominated not by arithmetic but by overhead: hundreds of small eager PyTorch ops, each a
+Python call and a kernel launch, plus Python that builds slot mappings and masks per
+sequence. Here the whole per-token pipeline is a pure function of a few tensors:
+
+    input_ids (B,), seq_lens (B,), block_tables (B, NB)
+      ─▶ positions = seq_lens - 1, slots from the block tables      (on the device)
+      ─▶ model forward with paged decode attention                  (one graph)
+      ─▶ logits ─▶ temperature / top-k / top-p / min-p ─▶ exponential race
+
+and ``torch.compile`` turns it into fused kernels (inductor C++ on CPU, Triton on CUDA), with
+dynamic shapes so that a new batch size or context length does not recompile. On CUDA the
+graph is also captured as CUDA graphs (``mode="reduce-overhead"``) for bucketed batch sizes
+and block counts: inputs are padded up to the bucket, so each bucket replays one graph.
+
+Padding rows (to reach a bucket, or at least 2 rows so that dynamo never specialises on a
+batch of 1) point at a *scratch block* the block manager never hands out: their writes land
+there and their outputs are dropped. Prefill stays eager.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention import attend_group, gather_blocks
+from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
+
+
+def compile_enabled_by_default() -> bool:
+    """``MINIVLLM_COMPILE=0`` switches compilation off everywhere (it is on by default)."""
+    return os.environ.get("MINIVLLM_COMPILE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def decode_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each row's new token, on the device: (B, NB), (B,) -> (B,)."""
+    block = block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    return block * block_size + positions % block_size
+
+
+class DecodeAttention:
+    """Paged attention for one new token per row, built from tensors only (no Python lists)."""
+
+    def __init__(self, kv: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, block_size: int):
+        self.kv = kv  # (2, L, num_slots, n_kv, D): the whole pool
+        self.slots = slots  # (B,)
+        self.block_tables = block_tables  # (B, NB)
+        self.block_size = block_size
+        key_pos = torch.arange(block_tables.shape[1] * block_size, device=slots.device)
+        self.mask = (key_pos < seq_lens.unsqueeze(1)).view(seq_lens.shape[0], 1, 1, -1)  # (B,1,1,K)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys_cache, values_cache = self.kv[0, layer_idx], self.kv[1, layer_idx]
+        keys_cache.index_copy_(0, self.slots, k)
+        values_cache.index_copy_(0, self.slots, v)
+        keys = gather_blocks(keys_cache, self.block_tables, self.block_size)  # (B, n_kv, K, D)
+        values = gather_blocks(values_cache, self.block_tables, self.block_size)
+        return attend_group(q.unsqueeze(1), keys, values, self.mask).squeeze(1)  # (B, H, D)
+
+
+def decode_logits(model: torch.nn.Module, kv: torch.Tensor, input_ids: torch.Tensor,
+                  seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One decode step of the model: (B,) tokens with (B,) context lengths -> (B, V) logits."""
+    positions = seq_lens - 1  # the new token's position
+    slots = decode_slots(block_tables, positions, block_size)
+    attn = DecodeAttention(kv, slots, block_tables, seq_lens, block_size)
+    hidden = model(input_ids, positions, attn)  # (B, hidden)
+    return model.compute_logits(hidden)  # (B, V) float32
+
+
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor,
+                  use_filters: bool) -> torch.Tensor:
+    """Batched sampling with the noise drawn outside (so per-request seeds work): (B, V) -> (B,)."""
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / temperature.clamp(min=1e-5).unsqueeze(-1)
+    if use_filters:
+        scaled = mask_min_p(mask_top_p(mask_top_k(scaled, top_k), top_p), min_p)
+    sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+    return torch.where(temperature < 1e-5, greedy, sampled)
+
+
+@dataclass
+class DecodeInputs:
+    """Host-side description of a decode batch (what the engine hands over)."""
+
+    input_ids: list[int]
+    seq_lens: list[int]  # context length including the new token
+    block_tables: list[list[int]]
+
+
+def bucket(n: int, on_cuda: bool) -> int:
+    """Rows/blocks to pad to: at least 2 (no 0/1 specialisation); powers of two on CUDA."""
+    n = max(n, 2)
+    return 1 << (n - 1).bit_length() if on_cuda else n
+
+
+def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Tell dynamo these sizes vary from call to call, so it never specialises on them."""
+    for dim in dims:
+        torch._dynamo.mark_dynamic(t, dim)
+    return t
+
+
+class CompiledDecoder:
+    """Owns the compiled decode functions and pads batches into their buckets."""
+
+    def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
+                 scratch_block: int, device: torch.device):
+        self.model, self.kv, self.block_size = model, kv, block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self.on_cuda = device.type == "cuda"
+        mode = "reduce-overhead" if self.on_cuda else None  # CUDA graphs on CUDA
+        self._logits = torch.compile(decode_logits, dynamic=True, mode=mode)
+        self._sample = torch.compile(sample_logits, dynamic=True)
+        self.compile_seconds = 0.0
+
+    def logits(self, batch: DecodeInputs) -> torch.Tensor:
+        """(B, V) logits for the real rows of the batch."""
+        rows = len(batch.input_ids)
+        padded_rows = bucket(rows, self.on_cuda)
+        width = bucket(max(len(t) for t in batch.block_tables), self.on_cuda)
+        scratch = self.scratch_block
+        tables = [t + [scratch] * (width - len(t)) for t in batch.block_tables]
+        tables += [[scratch] * width] * (padded_rows - rows)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        logits = self._logits(self.model, self.kv, as_tensor(batch.input_ids + [0] * (padded_rows - rows)),
+                              as_tensor(batch.seq_lens + [1] * (padded_rows - rows)),
+                              as_tensor(tables), self.block_size)
+        return logits[:rows]
+
+    def sample(self, logits: torch.Tensor, params: list, noise: torch.Tensor) -> torch.Tensor:
+        """Tokens for (B, V) logits with (B, V) exponential noise drawn by the caller."""
+        rows = len(params)
+        pad = bucket(rows, self.on_cuda) - rows  # padded rows are greedy and dropped
+        if pad:
+            logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
+            noise = torch.cat([noise, noise.new_ones(pad, noise.shape[1])])
+
+        def column(values: list, dtype: torch.dtype, fill) -> torch.Tensor:
+            return _dynamic(torch.tensor(values + [fill] * pad, dtype=dtype, device=self.device), 0)
+
+        use_filters = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        tokens = self._sample(_dynamic(logits, 0),
+                              column([p.temperature for p in params], torch.float32, 0.0),
+                              column([p.top_k for p in params], torch.long, 0),
+                              column([p.top_p for p in params], torch.float32, 1.0),
+                              column([p.min_p for p in params], torch.float32, 0.0),
+                              _dynamic(noise, 0), use_filters)
+        return tokens[:rows]
+
+    @torch.inference_mode()  # the engine decodes in inference mode: compile for that mode
+    def warmup(self, vocab_size: int) -> float:
+        """Compile every graph up front (batch shapes 2 and 3 cover the dynamic ones)."""
+        from minivllm.sampling import SamplingParams
+
+        start = time.perf_counter()
+        for rows in (2, 3):
+            batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * rows] * rows)
+            logits = self.logits(batch)
+            noise = torch.ones(rows, vocab_size, device=self.device)
+            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)):
+                self.sample(logits, [params] * rows, noise)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+
+def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,
+                device: torch.device, vocab_size: int) -> CompiledDecoder | None:
+    """A warmed-up CompiledDecoder, or None (with one clear warning) where compiling fails."""
+    try:
+        decoder = CompiledDecoder(model, kv, block_size, scratch_block, device)
+        decoder.warmup(vocab_size)
+        return decoder
+    except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)
+        warnings.warn(f"torch.compile is unavailable here ({type(exc).__name__}: {exc}); "
+                      "running the decode step eagerly (set MINIVLLM_COMPILE=0 to skip trying)",
+                      RuntimeWarning, stacklevel=2)
+        return None
