@@ -1,0 +1,109 @@
+"""Milestone 7: the compiled decode step (minivllm/compile.py, notebook 07_compiled_decode).
+
+The Milestone 1 and 3 parity checks, rerun with the decode step compiled on the CPU
+(inductor): greedy tokens must equal transformers token for token, a seeded sampled request
+must give the eager engine's tokens, and decoding must never recompile after the warm-up.
+One compiled engine per model is shared by the module (compiling takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from hf_oracle import hf_greedy, random_engine_model  # noqa: F401 (fixture)
+
+from minivllm import LLM, SamplingParams
+from minivllm.compile import bucket, compile_enabled_by_default, decode_slots
+from minivllm.kv_cache import slot_of
+
+
+@pytest.fixture(scope="module")
+def compiled_random(random_engine_model):
+    return LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+               max_num_seqs=4, max_num_batched_tokens=24, compile=True)
+
+
+def test_compiled_engine_is_really_compiled(compiled_random):
+    engine = compiled_random.engine
+    assert engine.decoder is not None and engine.compile_seconds > 0
+    assert engine.pool.num_blocks == engine.num_blocks + 1  # the padding rows' scratch block
+
+
+def test_compiled_m3_parity_with_preemption_and_chunking(compiled_random, random_engine_model):
+    """Milestone 3's 24-prompt check, compiled: chunked prefills stay eager, every pure decode
+    step runs the compiled pipeline, and the output is transformers' greedy output."""
+    from torch._dynamo.utils import counters
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    graphs_before = counters["stats"]["unique_graphs"]
+    outs = compiled_random.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert counters["stats"]["unique_graphs"] == graphs_before, "decoding recompiled"
+    assert compiled_random.engine.stats.num_preemptions > 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 20), f"prompt {i}"
+    bm = compiled_random.engine.block_manager
+    assert bm.num_free_blocks == compiled_random.engine.num_blocks
+
+
+def test_compiled_seeded_sampling_equals_eager(compiled_random, random_engine_model):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=30, min_p=0.01, seed=11,
+                            max_tokens=16, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": [7, 70, 170, 270]}
+    compiled = compiled_random.generate(prompt, params)[0].outputs[0]
+    eager = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+                compile=False).generate(prompt, params)[0].outputs[0]
+    assert compiled.token_ids == eager.token_ids
+    for a, b in zip(compiled.logprobs, eager.logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_compiled_m1_parity_on_the_bundled_model(tiny_model):
+    llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512, compile=True)
+    tok = llm.get_tokenizer()
+    prompts = ["import os\n", "def parse(path):\n    ", "class Node:\n"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_model, tok.encode(prompt), 24,
+                                                     llm.engine.eos_token_ids)
+
+
+def test_platform_without_a_compiler_falls_back_to_eager_with_one_warning(
+        random_engine_model, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(str(random_engine_model), block_size=8, num_blocks=32, max_model_len=96,
+                  compile=True)
+    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert len(messages) == 1 and "running the decode step eagerly" in messages[0]
+    assert llm.engine.decoder is None
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(random_engine_model, [1, 2, 3], 5)
+
+
+def test_environment_switch(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_COMPILE", "0")
+    assert not compile_enabled_by_default()
+    monkeypatch.setenv("MINIVLLM_COMPILE", "1")
+    assert compile_enabled_by_default()
+
+
+def test_device_side_slots_equal_the_host_slot_mapping():
+    tables = [[5, 9, 2], [7, 0, 0]]
+    seq_lens = [11, 3]
+    slots = decode_slots(torch.tensor(tables), torch.tensor(seq_lens) - 1, 4)
+    assert slots.tolist() == [slot_of(t, n - 1, 4) for t, n in zip(tables, seq_lens)]
+
+
+def test_buckets():
+    assert [bucket(n, on_cuda=False) for n in (1, 2, 3, 17)] == [2, 2, 3, 17]
+    assert [bucket(n, on_cuda=True) for n in (1, 2, 3, 17, 32)] == [2, 2, 4, 32, 32]
