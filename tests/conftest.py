@@ -15,6 +15,7 @@ that does not collide with the repository's root conftest.py.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,14 @@ def test_model() -> Path:
     from minivllm.config import resolve_model_path
 
     return resolve_model_path(name)
+
+
+@pytest.fixture(scope="session")
+def random_engine_model(tiny_random_qwen2, qwen25_tokenizer_dir, tmp_path_factory) -> Path:
+    """The tiny random Qwen2 checkpoint plus Qwen2.5's real tokenizer files, so the engine
+    (which always loads a tokenizer) can run it. Prompts must use ids below its vocab (512)."""
+    out = tmp_path_factory.mktemp("tiny-random-engine")
+    for src in (Path(tiny_random_qwen2), Path(qwen25_tokenizer_dir)):
+        for f in src.iterdir():
+            shutil.copyfile(f, out / f.name)
+    return out

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 
@@ -49,13 +47,3 @@ def hf_logprobs(path: str | Path, token_ids: list[int]) -> torch.Tensor:
     logits = hf_model(str(path))(torch.tensor([token_ids])).logits[0]
     return logits.float().log_softmax(-1)
 
-
-@pytest.fixture(scope="session")
-def random_engine_model(tiny_random_qwen2, qwen25_tokenizer_dir, tmp_path_factory) -> Path:
-    """The tiny random Qwen2 checkpoint plus Qwen2.5's real tokenizer files, so the engine
-    (which always loads a tokenizer) can run it. Prompts must use ids below its vocab (512)."""
-    out = tmp_path_factory.mktemp("tiny-random-engine")
-    for src in (Path(tiny_random_qwen2), Path(qwen25_tokenizer_dir)):
-        for f in src.iterdir():
-            shutil.copyfile(f, out / f.name)
-    return out

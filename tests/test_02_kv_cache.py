@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from hf_oracle import hf_greedy, random_engine_model  # noqa: F401 (fixture)
+from hf_oracle import hf_greedy
 
 from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import (
@@ -27,7 +27,7 @@ from minivllm.kv_cache import (
 )
 from minivllm.model import greedy_generate, load_model
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def _prompts(seed: int, block_size: int, vocab: int, count: int = 6) -> list[list[int]]:

@@ -9,14 +9,14 @@ from collections import Counter
 
 import pytest
 import torch
-from hf_oracle import hf_greedy, hf_logprobs, random_engine_model  # noqa: F401 (fixture)
+from hf_oracle import hf_greedy, hf_logprobs
 
 from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import BlockManager
 from minivllm.sampling import Sampler
 from minivllm.scheduler import Scheduler, Sequence, SequenceStatus
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 def _random_prompts(seed: int, count: int, max_len: int, vocab: int = 512) -> list[list[int]]:
@@ -170,11 +170,11 @@ def test_logprobs_match_transformers(random_engine_model):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-5), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n must"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=21), "logprobs"),
-    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"n": 0}, "n must"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+    ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_invalid_sampling_params_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):

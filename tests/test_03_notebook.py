@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_oracle import random_engine_model  # noqa: F401 (fixture)
 
 import minivllm.sampling as ref_sampling
 import minivllm.scheduler as ref_scheduler
@@ -162,7 +161,7 @@ def test_check_fails_on_a_planted_wrong_answer(name, capsys):
     assert "✅" not in capsys.readouterr().out
 
 
-def test_engine_check(learner, random_engine_model, capsys):  # noqa: F811 (fixture)
+def test_engine_check(learner, random_engine_model, capsys):
     """The end-to-end check passes on the reference classes and fails on the stub scheduler
     and on a sampler whose seeded rows ignore their generators."""
     sch, smp = ref_scheduler, ref_sampling

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from hf_oracle import hf_greedy, random_engine_model  # noqa: F401 (fixture)
+from hf_oracle import hf_greedy
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention import BACKENDS, BatchedAttention, build_group

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from hf_oracle import hf_greedy, random_engine_model  # noqa: F401 (fixture)
+from hf_oracle import hf_greedy
 
 from minivllm import LLM, SamplingParams
 from minivllm.compile import bucket, compile_enabled_by_default, decode_slots
