@@ -329,6 +329,8 @@ class LLMEngine:
         """Detokenize the new token, then apply stop strings (which end the sequence)."""
         state = self._text[seq.seq_id]
         delta = state.detokenizer.add(seq.output_token_ids[-1:])
+        if seq.is_finished:  # emit a character that the last token left incomplete
+            delta += state.detokenizer.flush()
         stops = seq.params.stop_strings
         if not stops or not delta or seq.finish_reason == "abort":
             state.text += delta
