@@ -135,7 +135,9 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
         info = {"device": device, "dtype": str(engine.dtype).removeprefix("torch."),
                 "engine_options": dataclasses.asdict(engine.config),
                 "attention_backend": engine.config.attention_backend,
-                "compile": engine.config.compile, "num_kv_blocks": engine.num_blocks}
+                "compile": getattr(engine, "decoder", None) is not None,  # as resolved (M7)
+                "compile_seconds": getattr(engine, "compile_seconds", 0.0),
+                "num_kv_blocks": engine.num_blocks}
         yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb),
                       os.getpid(), memory_kind, info)
     elif name == "transformers":

@@ -158,7 +158,7 @@ def test_engine_options_parse_by_field_type_and_map_to_serve_flags():
 def _options(model: Path, engines: list[str], **kw) -> BenchOptions:
     defaults = {"workloads": ["fixed", "mixed"], "concurrency": [2], "num_requests": 3,
                 "input_len": 8, "output_len": 4, "isolate": False, "label": "test",
-                "warmup": False}
+                "warmup": False, "engine_options": {"compile": False}}
     return BenchOptions(model=str(model), engines=engines, **(defaults | kw))
 
 
@@ -181,7 +181,7 @@ def _check_records(records: list[dict], engine: str, workloads: list[str]) -> No
 def test_short_run_minivllm_and_transformers(tiny_model, tmp_path):
     out = tmp_path / "results.jsonl"
     opts = _options(tiny_model, ["minivllm", "transformers"], workloads=["mixed"],
-                    engine_options={"block_size": 8})
+                    engine_options={"block_size": 8, "compile": False})
     records = run_benchmark(opts, out)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines == json.loads(json.dumps(records))  # each record appended as one line
@@ -221,7 +221,8 @@ def test_cli_isolated_run_prints_table(tiny_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "minivllm.bench", "--model", str(tiny_model), "--engines",
          "minivllm", "--workloads", "fixed", "--concurrency", "2", "--num-requests", "2",
-         "--input-len", "8", "--output-len", "4", "--label", "cli", "--out", str(out)],
+         "--input-len", "8", "--output-len", "4", "--label", "cli", "--out", str(out),
+         "--engine-option", "compile=false"],
         check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "out tok/s" in proc.stdout and f"appended 1 record(s) to {out}" in proc.stdout
