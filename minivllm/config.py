@@ -1,3 +1,6 @@
+# Generated from solutions/01_forward_pass.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Configuration: what the checkpoint says (`ModelConfig`) and how to run it (`EngineConfig`).
 
 Built in notebook 01_forward_pass.
@@ -17,10 +20,9 @@ from pathlib import Path
 
 import torch
 
+from minivllm import TINY_MODEL as _TINY_MODEL  # the bundled checkpoint (the default)
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
-# The bundled tiny checkpoint (same path as `minivllm.TINY_MODEL`; defined here to avoid
-# importing the package from inside itself).
-_TINY_MODEL = str(Path(__file__).parent / "assets" / "tiny-qwen2-stdlib")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

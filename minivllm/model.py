@@ -1,3 +1,6 @@
+# Generated from solutions/01_forward_pass.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """The Qwen2 / Qwen3 decoder in plain PyTorch, safetensors loading, and a greedy loop.
 
 Built in notebook 01_forward_pass.
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .config import ModelConfig
+from minivllm.config import ModelConfig
 
 # attn(layer_idx, q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D)) -> (T, Hq, D)
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

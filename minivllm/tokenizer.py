@@ -1,3 +1,6 @@
+# Generated from solutions/01_forward_pass.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Text <-> token ids: the `tokenizers` library, the chat template, streaming detokenization.
 
 Built in notebook 01_forward_pass.
