@@ -12,10 +12,10 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from minivllm import TINY_MODEL  # noqa: E402
+from minivllm import TINY_MODEL
 
 PATH = Path(TINY_MODEL)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
