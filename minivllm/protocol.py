@@ -32,7 +32,8 @@ from minivllm.engine import CompletionOutput, RequestOutput
 from minivllm.sampling import SamplingParams
 from minivllm.tokenizer import Tokenizer
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
 
 
 class OpenAIError(Exception):

@@ -22,7 +22,9 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import hmac
 import logging
+import os
 import queue
 import signal
 import sys
@@ -97,8 +99,9 @@ class Submission:
 class AsyncEngine:
     """Runs ``LLMEngine.step()`` in one background thread; asyncio code talks to it by queue."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine  # used by the engine thread only
+        self.max_waiting_requests = max_waiting_requests  # None: requests wait, unbounded
         self.max_model_len = engine.max_model_len
         self.model_path = str(engine.model_path)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -156,6 +159,15 @@ class AsyncEngine:
 
     def _add(self, requests, loop, out: asyncio.Queue, added: concurrent.futures.Future) -> None:
         """All of an HTTP request's engine requests, or none of them."""
+        if self.max_waiting_requests is not None:  # back-pressure: refuse, do not queue
+            waiting = {id(self._streams[s.request_id][1]) for s in self.engine.scheduler.waiting
+                       if s.request_id in self._streams}  # HTTP requests not yet running
+            if len(waiting) >= self.max_waiting_requests:
+                added.set_exception(OpenAIError(
+                    f"The server is overloaded: {len(waiting)} requests are already waiting "
+                    f"(--max-waiting-requests {self.max_waiting_requests}). Please retry later.",
+                    status=503))
+                return
         try:
             for request_id, prompt_ids, params in requests:
                 self.engine.add_request(request_id, prompt_ids, params)
@@ -174,9 +186,15 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as e:  # fail the batch's requests, keep the loop alive
+        except Exception as e:  # fail the request(s) at fault, keep the loop alive
+            culprit = getattr(e, "request_id", None)
+            if culprit in self._streams:  # the error names its request: it fails alone, the
+                logger.error("request %s failed: %r", culprit, e)  # others step again
+                self._fail([culprit], f"processing the request failed: {e}")
+                return
             logger.exception("engine step failed")
-            self._fail(list(self._streams), f"engine step failed: {e!r}")
+            batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
+            self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
             return
         self.stats = self._snapshot()  # before the clients hear of this step
         for out in outputs:
@@ -269,8 +287,125 @@ async def final_outputs(submission: Submission, request: Request) -> list[Reques
     return [final[request_id] for request_id in submission.request_ids]
 
 
+@dataclasses.dataclass
+class ServerOptions:
+    """The server's own limits (the engine's are in EngineConfig)."""
+
+    api_key: str | None = None  # require "Authorization: Bearer <key>" on /v1/*
+    max_body_bytes: int = 4 * 1024**2  # 413 above this
+    max_n: int = 16  # 400 above this
+    max_prompts_per_request: int = 64  # 400 above this
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
+
+
+class Guard:
+    """ASGI middleware: API key, draining, body size; counts the requests in flight."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.app, self.options = None, options
+        self.in_flight = 0  # /v1 requests being answered (streams until their last byte)
+        self.draining = False
+
+    def wrap(self, app):  # app.add_middleware(guard.wrap): Starlette calls it with the app
+        self.app = app
+        return self
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        error = self._refuse(scope)
+        if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            error, receive = await self._read_body(scope, receive)
+        if error is not None:
+            return await _error_response(error)(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    def _refuse(self, scope) -> OpenAIError | None:
+        headers = dict(scope["headers"])
+        key = self.options.api_key
+        if key is not None:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return OpenAIError("Invalid or missing API key: send the header "
+                                   "'Authorization: Bearer <key>'.", status=401)
+        if self.draining:
+            return OpenAIError("The server is shutting down and accepts no new requests.",
+                               status=503)
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return OpenAIError("invalid Content-Length header")
+            if int(length) > self.options.max_body_bytes:
+                return self._too_large()
+        return None
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"The request body is larger than {self.options.max_body_bytes} "
+                           "bytes (--max-body-bytes).", status=413)
+
+    async def _read_body(self, scope, receive):
+        """Read the body, stopping as soon as it is too large; then replay it."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return None, receive
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.options.max_body_bytes:
+                return self._too_large(), receive
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():  # the body once, then the real channel (disconnects)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return None, replay
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains: refuse new requests, finish the ones in
+    flight (or give up after ``drain_timeout``), then shut down. A second signal is
+    uvicorn's own: shut down now."""
+
+    def __init__(self, config: uvicorn.Config, guard: Guard) -> None:
+        super().__init__(config)
+        self.guard = guard
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_deadline is None:
+            self._captured_signals.append(sig)
+            self.guard.draining = True
+            self.drain_deadline = time.monotonic() + self.guard.options.drain_timeout
+            logger.warning("signal %s: draining %d requests in flight", sig,
+                           self.guard.in_flight)
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit and (
+                self.guard.in_flight == 0 or time.monotonic() > self.drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.error("internal error", exc_info=exc)
+    return _error_response(OpenAIError(f"internal error: {exc!r}", status=500))
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -285,10 +420,14 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 
 def build_app(engine: AsyncEngine, served_model_names: list[str],
-              announce: str | None = None) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops the engine thread."""
+              announce: str | None = None, options: ServerOptions | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine thread.
+
+    ``app.state.guard`` is the ``Guard`` middleware in front of it (limits, key, draining).
+    """
     tokenizer = Tokenizer.from_pretrained(engine.model_path)  # the front end's own copy
     default_name = served_model_names[0]
+    options = options or ServerOptions()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -299,16 +438,27 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
         engine.shutdown()
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
+    app.state.guard = guard = Guard(options)
+    app.add_middleware(guard.wrap)
     app.add_exception_handler(OpenAIError, lambda _, e: _error_response(e))
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, lambda _, e: _error_response(
         OpenAIError(str(e.detail), status=e.status_code)))
+    app.add_exception_handler(Exception, _internal_error)
 
     def model_name(requested: str | None) -> str:
         if requested is not None and requested not in served_model_names:
             raise OpenAIError(f"The model `{requested}` does not exist.", status=404,
                               param="model")
         return requested or default_name
+
+    def check_limits(body, num_prompts: int) -> None:
+        if body.n > options.max_n:
+            raise OpenAIError(f"n must be at most {options.max_n} on this server (--max-n), "
+                              f"got {body.n}", param="n")
+        if num_prompts > options.max_prompts_per_request:
+            raise OpenAIError(f"at most {options.max_prompts_per_request} prompts per request "
+                              f"(--max-prompts-per-request), got {num_prompts}", param="prompt")
 
     async def serve(job: Job, request: Request):
         submission = await engine.submit(job.engine_requests())
@@ -324,11 +474,13 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_limits(body, len(body.prompts()))
         job = completion_job(body, tokenizer, engine.max_model_len, model_name(body.model))
         return await serve(job, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_limits(body, 1)
         job = chat_job(body, tokenizer, engine.max_model_len, model_name(body.model))
         return await serve(job, request)
 
@@ -343,6 +495,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
     async def health():
         if not engine.is_alive:
             raise OpenAIError("the engine loop is not running", status=503)
+        if guard.draining:
+            raise OpenAIError("the server is shutting down", status=503)
         return {"status": "ok"}
 
     @app.get("/stats")
@@ -376,7 +530,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    limits = ServerOptions()
+    p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default: "
+                        "$MINIVLLM_API_KEY; none)")
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    p.add_argument("--max-n", type=int, default=limits.max_n)
+    p.add_argument("--max-prompts-per-request", type=int, default=limits.max_prompts_per_request)
+    p.add_argument("--max-waiting-requests", type=int, help="503 for new requests while this "
+                   "many wait for the running batch (default: unbounded)")
+    p.add_argument("--drain-timeout", type=float, default=limits.drain_timeout,
+                   help="seconds SIGTERM waits for requests in flight")
     return p.parse_args(argv)
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
+                         drain_timeout=args.drain_timeout)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -397,16 +568,48 @@ def main(argv: list[str] | None = None) -> int:
     """Load the model, serve until Ctrl-C / SIGTERM, exit 0."""
     args = parse_args(argv)
     names = args.served_model_name or [args.model or TINY_MODEL_NAME]
-    engine = AsyncEngine(LLMEngine(engine_config(args)))
-    app = build_app(engine, names, f"minivllm serving {names[0]} on http://{args.host}:{args.port}")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    llm_engine = LLMEngine(engine_config(args))
+    if os.environ.get("MINIVLLM_FAULT_INJECT"):  # tests only: see inject_faults
+        inject_faults(llm_engine, os.environ["MINIVLLM_FAULT_INJECT"])
+    engine = AsyncEngine(llm_engine, args.max_waiting_requests)
+    app = build_app(engine, names, f"minivllm serving {names[0]} on http://{args.host}:{args.port}",
+                    server_options(args))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                            app.state.guard)
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
     # place that re-raise is a no-op, so Ctrl-C and SIGTERM end the process with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
     return 0
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``inject_faults`` inside ``LLMEngine.step``; names the request at fault."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"injected fault (MINIVLLM_FAULT_INJECT) in request {request_id}")
+        self.request_id = request_id
+
+
+def inject_faults(engine: LLMEngine, marker: str) -> None:
+    """TEST ONLY (``MINIVLLM_FAULT_INJECT=<marker>``): running the model on a batch that holds
+    a request whose prompt contains ``marker`` raises ``InjectedFault`` inside the engine
+    thread, before anything is computed. The server must fail that request alone."""
+    run_model, poisoned = engine._run_model, {}
+    logger.warning("fault injection is on: prompts containing %r fail", marker)
+
+    def run_model_or_fail(scheduled):
+        for seq, _ in scheduled:
+            if seq.request_id not in poisoned:
+                prompt = engine.tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens])
+                poisoned[seq.request_id] = marker in prompt
+            if poisoned[seq.request_id]:
+                raise InjectedFault(seq.request_id)
+        return run_model(scheduled)
+
+    engine._run_model = run_model_or_fail
 
 
 if __name__ == "__main__" and "get_ipython" not in globals():  # not in the notebook
