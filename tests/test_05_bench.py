@@ -238,3 +238,13 @@ def test_main_without_runnable_engine_fails(capsys):
 
 def test_bench_request_is_a_plain_value():
     assert BenchRequest([1, 2], 3) == BenchRequest([1, 2], 3)
+
+
+def test_ramp_runs_one_wave_per_level_until_the_cap(tiny_model):
+    """The ramp: concurrency step, 2*step, ... up to the cap, one request per slot."""
+    opts = _options(tiny_model, ["minivllm"], workloads=["fixed"], concurrency=[], ramp=True,
+                    ramp_step=2, ramp_cap=4)
+    records = run_benchmark(opts, None)
+    assert [(r["ramp"], r["concurrency"], r["num_requests"]) for r in records] == [
+        (True, 2, 2), (True, 4, 4)]
+    assert all(r["failures"] == 0 for r in records)
