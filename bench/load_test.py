@@ -49,8 +49,9 @@ import minivllm
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_model_len": 256, "max_num_seqs": 32,
           "max_num_batched_tokens": 512}
 
-WORDS = ("the data of a function returns list value import class self print string file "
-         "error number index key dictionary module test path open read write line").split()
+WORDS = ["the", "data", "of", "a", "function", "returns", "list", "value", "import", "class",
+         "self", "print", "string", "file", "error", "number", "index", "key", "dictionary",
+         "module", "test", "path", "open", "read", "write", "line"]
 STARTS = ["def main():", "import os\nimport", "The capital of France is", "class Parser:",
           "Once upon a time", "# compute the mean of", "for i in range(", "return {"]
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class OpenAIError(Exception):
     """An error sent to the client as OpenAI's error body (vLLM's type names and codes)."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        # a message may quote the client's text: lone surrogates would not encode as UTF-8
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
 
@@ -95,6 +98,18 @@ class _Request(BaseModel):
             if isinstance(data, dict) and data.get(name) not in neutral:
                 raise ValueError(f"{name} is not supported by minivllm")
         return data
+
+    @model_validator(mode="after")
+    def _bounded_numbers(self):
+        """Finite floats and 64-bit ints only: NaN passes every range check, and a number
+        torch cannot hold would fail inside the engine step, for the whole batch."""
+        for name, value in self:
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ValueError(f"{name} must be a finite number, got {v}")
+                if isinstance(v, int) and not -2**63 <= v < 2**63:
+                    raise ValueError(f"{name} must fit in a 64-bit integer")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -329,11 +344,21 @@ class Job:
         return self.body(choices, usage=self.usage(finals))
 
 
+def encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of a client's text; text that is not valid Unicode is a 400, not a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(f"{param} is not valid Unicode text: {e}", param=param) from None
+    return tokenizer.encode(text)
+
+
 def completion_job(body: CompletionRequest, tokenizer: Tokenizer, max_model_len: int,
                    model: str) -> Job:
     """Tokenize the prompts and check every field of a /v1/completions request."""
     prompts = body.prompts()
-    prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    prompt_ids = [encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p)
+                  for p in prompts]
     if body.echo and body.logprobs is not None:
         raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
     params = [body.sampling_params(check_length(len(ids), body.max_tokens, max_model_len),
@@ -354,7 +379,7 @@ def chat_job(body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: i
                                              **(body.chat_template_kwargs or {}))
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = encode(tokenizer, text, "messages")
     max_tokens = check_length(len(prompt_ids), body.requested_max_tokens(), max_model_len)
     num_logprobs = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_logprobs)

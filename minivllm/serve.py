@@ -103,6 +103,7 @@ class AsyncEngine:
         self.engine = engine  # used by the engine thread only
         self.max_waiting_requests = max_waiting_requests  # None: requests wait, unbounded
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self.model_path = str(engine.model_path)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -456,6 +457,9 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
         if body.n > options.max_n:
             raise OpenAIError(f"n must be at most {options.max_n} on this server (--max-n), "
                               f"got {body.n}", param="n")
+        if any(t >= engine.vocab_size for t in body.stop_token_ids or []):
+            raise OpenAIError(f"stop_token_ids must be < {engine.vocab_size} (the vocabulary "
+                              "size)", param="stop_token_ids")
         if num_prompts > options.max_prompts_per_request:
             raise OpenAIError(f"at most {options.max_prompts_per_request} prompts per request "
                               f"(--max-prompts-per-request), got {num_prompts}", param="prompt")
