@@ -1,3 +1,6 @@
+# Generated from solutions/06_batched_attention.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Batched attention over the paged KV pool.
 
 Built in notebook 06_batched_attention. Milestone 2's ``PagedAttention`` loops over the

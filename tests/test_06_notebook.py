@@ -1,0 +1,169 @@
+"""Notebook 06_batched_attention: every check cell fails on the learner's stubs and on
+planted wrong answers, and passes on the reference package objects.
+
+The learner's module is exported from notebooks/06_batched_attention.ipynb into a temporary
+folder and imported from there. Planted wrong answers are "mutants": minivllm/attention.py's
+source with one line changed (each mutation asserts that its target text exists, so a
+refactor that removes it fails here loudly instead of testing nothing).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import minivllm.attention as ref
+from minivllm.course import checks_06 as checks
+from minivllm.course import export_notebook
+from minivllm.kv_cache import AttentionMetadata
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_batched_attention.ipynb"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory):
+    """The stubbed module a learner starts from, exported from the learner's notebook."""
+    out = tmp_path_factory.mktemp("nb06")
+    export_notebook(NOTEBOOK, out_dir=out, echo=lambda _: None)
+    return _load(out / "attention.py", "nb06_learner_attention")
+
+
+_count = iter(range(10_000))
+
+
+def mutant(*edits: tuple[str, str]):
+    """minivllm.attention re-imported from its source with each (old, new) replacement."""
+    source = Path(ref.__file__).read_text()
+    for old, new in edits:
+        assert old in source, f"mutation target {old!r} is no longer in minivllm/attention.py"
+        source = source.replace(old, new)
+    name = f"nb06_mutant_{next(_count)}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__file__ = str(Path(ref.__file__).with_name(f"_{name}.py"))
+    sys.modules[name] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 (a mutant)
+    return module
+
+
+def _graders(m):
+    return {
+        "build_group": lambda: checks.check_build_group(m.build_group),
+        "gather_blocks": lambda: checks.check_gather_blocks(m.gather_blocks),
+        "attend_group": lambda: checks.check_attend_group(m.attend_group),
+        "batched_attention": lambda: checks.check_batched_attention(m.BatchedAttention),
+    }
+
+
+GRADERS = list(_graders(ref))
+
+
+def test_every_exercise_is_a_stub(learner):
+    md = AttentionMetadata.build([[0, 1]], [5], [3], block_size=4)
+    calls = {
+        "Exercise 6.1": lambda: learner.build_group(md, [0], torch.device("cpu")),
+        "Exercise 6.2": lambda: learner.gather_blocks(torch.zeros(8, 1, 2), torch.tensor([[1]]), 4),
+        "Exercise 6.3": lambda: learner.attend_group(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4),
+                                                     torch.zeros(1, 1, 3, 4),
+                                                     torch.ones(1, 1, 1, 3, dtype=torch.bool)),
+    }
+    for label, call in calls.items():
+        with pytest.raises(NotImplementedError, match=label):
+            call()
+    assert set(learner.BACKENDS) == set(ref.BACKENDS)
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+def test_check_fails_on_the_stub(learner, grader, capsys):
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        _graders(learner)[grader]()
+    assert "✅" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("grader", GRADERS)
+def test_check_passes_on_the_reference(grader, capsys):
+    _graders(ref)[grader]()
+    assert "✅" in capsys.readouterr().out
+
+
+QUERY_POS = "query_pos = (seq_len - q_len).unsqueeze(1) + torch.arange(max_q)"
+MUTANTS = {
+    # 6.1: the mask
+    "top-left causal mask (is_causal's alignment)": (
+        ["build_group", "batched_attention"],
+        [(QUERY_POS, "query_pos = torch.arange(max_q).expand(len(members), max_q)")]),
+    "query positions without the cached offset (seq_len instead of seq_len - q_len)": (
+        ["build_group", "batched_attention"],
+        [(QUERY_POS, "query_pos = seq_len.unsqueeze(1) + torch.arange(max_q)")]),
+    "a query does not see its own key (< instead of <=)": (
+        ["build_group", "batched_attention"],
+        [("mask = key_pos.view(1, 1, -1) <= query_pos", "mask = key_pos.view(1, 1, -1) < query_pos")]),
+    "padded queries see no key (NaN rows)": (
+        ["build_group"], [("mask[~valid] = key_pos == 0", "mask[~valid] = False")]),
+    "padded queries count as valid": (
+        ["build_group"], [("valid = torch.arange(max_q) < q_len.unsqueeze(1)",
+                           "valid = torch.arange(max_q) <= q_len.unsqueeze(1)")]),
+    # 6.2: the gather
+    "blocks gathered in sorted order, not table order": (
+        ["gather_blocks", "batched_attention"],
+        [("gathered = blocks[block_tables]", "gathered = blocks[block_tables.sort(dim=1).values]")]),
+    "keys laid out offset-major (block and offset dims swapped)": (
+        ["gather_blocks", "batched_attention"],
+        [("return gathered.flatten(1, 2).transpose(1, 2)",
+          "return gathered.transpose(1, 2).flatten(1, 2).transpose(1, 2)")]),
+    "cache viewed as (block_size, num_blocks, ...)": (
+        ["gather_blocks", "batched_attention"],
+        [("blocks = cache.view(-1, block_size, *cache.shape[1:])",
+          "blocks = cache.view(block_size, -1, *cache.shape[1:]).transpose(0, 1)")]),
+    # 6.3: attention
+    "tiled GQA (repeat instead of repeat_interleave)": (
+        ["attend_group", "batched_attention"],
+        [("keys = keys.repeat_interleave(n_rep, dim=1)", "keys = keys.repeat(1, n_rep, 1, 1)"),
+         ("values = values.repeat_interleave(n_rep, dim=1)", "values = values.repeat(1, n_rep, 1, 1)")]),
+    "is_causal instead of the mask": (
+        ["attend_group", "batched_attention"],
+        [("attn_mask=mask)", "is_causal=True)")]),
+    "mask ignored": (["attend_group", "batched_attention"], [("attn_mask=mask)", ")")]),
+    # the backend
+    "new k/v not written to the pool": (
+        ["batched_attention"],
+        [("self.pool.write(layer_idx, self.metadata.slot_mapping, k, v)", "pass")]),
+    "padded outputs scattered back too": (
+        ["batched_attention"],
+        [("out[g.rows[g.valid]] = o[g.valid]", "out[g.rows.flatten()] = o.flatten(0, 1)")]),
+    "decodes and prefill chunks in one group, decodes only": (
+        ["batched_attention"], [("for members in (decodes, prefills) if members]",
+                                 "for members in (decodes,) if members]")]),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_check_fails_on_a_planted_wrong_answer(name, capsys):
+    graders, edits = MUTANTS[name]
+    m = mutant(*edits)
+    for grader in graders:
+        with pytest.raises(AssertionError):
+            _graders(m)[grader]()
+    assert "✅" not in capsys.readouterr().out
+
+
+def test_engine_parity_check(learner, random_engine_model, capsys):
+    """The end-to-end check passes on the reference class (mixing chunks with decodes) and
+    fails on the stub. (Planted wrong answers are caught by the graders above, faster.)"""
+    result = checks.check_engine_parity(ref.BatchedAttention, random_engine_model, (1, 40, 5, 26))
+    assert result["mixed_steps"] > 0
+    assert "✅" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        checks.check_engine_parity(learner.BatchedAttention, random_engine_model)
+    assert "✅" not in capsys.readouterr().out
