@@ -71,11 +71,9 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: i
 def attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
     """SDPA with grouped-query heads: q (B, Q, H, D), keys/values (B, n_kv, K, D) -> (B, Q, H, D)."""
-    n_rep = q.shape[2] // keys.shape[1]
-    if n_rep > 1:  # query head h reads kv head h // n_rep
-        keys = keys.repeat_interleave(n_rep, dim=1)
-        values = values.repeat_interleave(n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)
+    # query head h reads kv head h // n_rep; enable_gqa maps it without copying keys/values
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                         enable_gqa=True)
     return out.transpose(1, 2)  # (B, Q, H, D)
 
 

@@ -129,12 +129,13 @@ MUTANTS = {
     # 6.3: attention
     "tiled GQA (repeat instead of repeat_interleave)": (
         ["attend_group", "batched_attention"],
-        [("keys = keys.repeat_interleave(n_rep, dim=1)", "keys = keys.repeat(1, n_rep, 1, 1)"),
-         ("values = values.repeat_interleave(n_rep, dim=1)", "values = values.repeat(1, n_rep, 1, 1)")]),
+        [("keys, values, attn_mask=mask,",
+          "keys.repeat(1, q.shape[2] // keys.shape[1], 1, 1), "
+          "values.repeat(1, q.shape[2] // values.shape[1], 1, 1), attn_mask=mask,")]),
     "is_causal instead of the mask": (
         ["attend_group", "batched_attention"],
-        [("attn_mask=mask)", "is_causal=True)")]),
-    "mask ignored": (["attend_group", "batched_attention"], [("attn_mask=mask)", ")")]),
+        [("attn_mask=mask,", "is_causal=True,")]),
+    "mask ignored": (["attend_group", "batched_attention"], [("attn_mask=mask,", "")]),
     # the backend
     "new k/v not written to the pool": (
         ["batched_attention"],
