@@ -1,3 +1,6 @@
+# Generated from solutions/07_compiled_decode.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """The compiled decode step: embedding through sampling as one compiled function.
 
 Built in notebook 07_compiled_decode. After Milestone 6 a decode step of a small model is
