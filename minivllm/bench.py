@@ -100,6 +100,8 @@ def serve_flags(options: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if key == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
+        elif key == "compile":
+            flags += ["--compile" if value else "--no-compile"]
         elif isinstance(value, bool):
             flags += [flag] if value else []
         elif value is not None:

@@ -531,7 +531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="loop")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     limits = ServerOptions()
