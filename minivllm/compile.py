@@ -60,9 +60,12 @@ class DecodeAttention:
         self.mask = (key_pos < seq_lens.unsqueeze(1)).view(seq_lens.shape[0], 1, 1, -1)  # (B,1,1,K)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Write through the pool tensor itself, not a per-layer view of it: compiled, an
+        # in-place write into a *view* of a graph input becomes a copy of the whole pool.
+        layer = torch.full_like(self.slots, layer_idx)
+        self.kv.index_put_((torch.zeros_like(self.slots), layer, self.slots), k)
+        self.kv.index_put_((torch.ones_like(self.slots), layer, self.slots), v)
         keys_cache, values_cache = self.kv[0, layer_idx], self.kv[1, layer_idx]
-        keys_cache.index_copy_(0, self.slots, k)
-        values_cache.index_copy_(0, self.slots, v)
         keys = gather_blocks(keys_cache, self.block_tables, self.block_size)  # (B, n_kv, K, D)
         values = gather_blocks(values_cache, self.block_tables, self.block_size)
         return attend_group(q.unsqueeze(1), keys, values, self.mask).squeeze(1)  # (B, H, D)
