@@ -106,4 +106,5 @@ def test_device_side_slots_equal_the_host_slot_mapping():
 
 def test_buckets():
     assert [bucket(n, on_cuda=False) for n in (1, 2, 3, 17)] == [2, 2, 3, 17]
+    assert [bucket(n, on_cuda=False, minimum=1) for n in (1, 2, 3)] == [1, 2, 3]
     assert [bucket(n, on_cuda=True) for n in (1, 2, 3, 17, 32)] == [2, 2, 4, 32, 32]

@@ -130,7 +130,7 @@ MUTANTS = {
                      "batch.seq_lens + [0] * (padded_rows - rows)")]),
     "padding rows' logits returned": ("padding", [("return logits[:rows]", "return logits")]),
     "no bucket for the rows (a batch of 1 stays 1)": (
-        "padding", [("padded_rows = bucket(rows, self.on_cuda)", "padded_rows = rows")]),
+        "padding", [("padded_rows = bucket(rows, self.on_cuda, self.min_rows)", "padded_rows = rows")]),
     # 7.3 sample_logits
     "temperature-0 rows sampled instead of argmax": (
         "sample", [("return torch.where(temperature < 1e-5, greedy, sampled)", "return sampled")]),

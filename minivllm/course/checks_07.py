@@ -197,8 +197,8 @@ PAD_HINT = ("pad the batch to bucket(rows) rows and every table to bucket(widest
             "only the first `rows` rows of the logits")
 
 
-def _bucket(n: int, on_cuda: bool) -> int:
-    n = max(n, 2)
+def _bucket(n: int, on_cuda: bool, minimum: int = 2) -> int:
+    n = max(n, minimum)
     return 1 << (n - 1).bit_length() if on_cuda else n
 
 
@@ -213,7 +213,7 @@ def check_bucket_padding(CompiledDecoder, DecodeInputs) -> None:
             decoder = CompiledDecoder.__new__(CompiledDecoder)  # no torch.compile
             decoder.model, decoder.kv, decoder.block_size = None, None, block_size
             decoder.scratch_block, decoder.device, decoder.on_cuda = scratch, torch.device("cpu"), on_cuda
-            decoder.compile_seconds = 0.0
+            decoder.compile_seconds, decoder.min_rows = 0.0, 2 if on_cuda else 1
             seen = {}
 
             def recorder(model, kv, input_ids, seq_lens_t, block_tables, bs, seen=seen):
@@ -228,7 +228,7 @@ def check_bucket_padding(CompiledDecoder, DecodeInputs) -> None:
             out = _call(what, decoder.logits, DecodeInputs(ids, list(seq_lens), tables),
                         hint=PAD_HINT)
             _require("tables" in seen, what, f"{where}: self._logits was never called", PAD_HINT)
-            rows = _bucket(len(seq_lens), on_cuda)
+            rows = _bucket(len(seq_lens), on_cuda, 2 if on_cuda else 1)  # CPU: 1 stays 1
             width = _bucket(max(map(len, tables)), on_cuda)
             for name in ("input_ids", "seq_lens", "tables"):
                 t = seen[name]
