@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_helpers import load_module as _load
 
 import minivllm.model as ref
 from minivllm.course import checks_01 as checks
@@ -24,12 +25,6 @@ from minivllm.course import export_notebook
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_forward_pass.ipynb"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

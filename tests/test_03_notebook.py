@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from notebook_helpers import load_module as _load
 
 import minivllm.sampling as ref_sampling
 import minivllm.scheduler as ref_scheduler
@@ -24,12 +25,6 @@ from minivllm.engine import LLMEngine
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_continuous_batching.ipynb"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@ fails on the stub and on a plausible wrong answer, and passes on the reference."
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from notebook_helpers import load_module as _load
 
 from minivllm.bench_clients import drive_closed_loop
 from minivllm.bench_metrics import RequestLatency, RequestResult, percentile, request_latency
@@ -19,12 +19,6 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "05_benchmark.ipynb"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_helpers import load_module as _load
 
 import minivllm.attention as ref
 from minivllm.course import checks_06 as checks
@@ -24,12 +25,6 @@ from minivllm.kv_cache import AttentionMetadata
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_batched_attention.ipynb"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +125,8 @@ MUTANTS = {
     "tiled GQA (repeat instead of repeat_interleave)": (
         ["attend_group", "batched_attention"],
         [("keys, values, attn_mask=mask,",
-          "keys.repeat(1, q.shape[2] // keys.shape[1], 1, 1), "
-          "values.repeat(1, q.shape[2] // values.shape[1], 1, 1), attn_mask=mask,")]),
+          ("keys.repeat(1, q.shape[2] // keys.shape[1], 1, 1), "
+           "values.repeat(1, q.shape[2] // values.shape[1], 1, 1), attn_mask=mask,"))]),
     "is_causal instead of the mask": (
         ["attend_group", "batched_attention"],
         [("attn_mask=mask,", "is_causal=True,")]),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_helpers import load_module as _load
 
 import minivllm.compile as ref
 from minivllm.course import checks_07 as checks
@@ -25,12 +26,6 @@ from minivllm.course import export_notebook
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_compiled_decode.ipynb"
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
