@@ -29,6 +29,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from minivllm.bench_metrics import (
     WORKLOADS,
     BenchRequest,
     RequestResult,
+    engine_label,
     format_table,
     make_workload,
     summarize,
@@ -81,6 +83,8 @@ class BenchOptions:
     isolate: bool = True  # in-process engines each run in a fresh process (honest RSS)
     request_timeout: float = 3600.0
     warmup: bool = True
+    repeat: int = 1  # run the whole engine list this many times, interleaved
+    baseline: str | None = None  # engine label the table divides by (default transformers)
 
 
 @dataclasses.dataclass
@@ -227,10 +231,14 @@ def run_level(session: Session, requests: list[BenchRequest], concurrency: int, 
             "peak_memory_kind": session.memory_kind, "load": mon.load(), "errors": errors}
 
 
-def bench_engine(name: str, opts: BenchOptions, emit: Callable[[dict], None],
-                 root_pid: int | None = None) -> None:
-    """Start one engine, warm it up, run every level (and the ramp), ``emit`` each record."""
+def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
+                 root_pid: int | None = None, repeat: int = 0) -> None:
+    """Start one engine, warm it up, run every level (and the ramp), ``emit`` each record.
+    ``spec`` is an engine name, optionally with its own options: ``minivllm[compile=False]``."""
     from minivllm.config import resolve_device, resolve_model_path
+
+    name, variant, options = parse_engine_spec(spec)
+    opts = dataclasses.replace(opts, engine_options={**opts.engine_options, **options})
 
     vocab = 151643  # Qwen's regular tokens, when the checkpoint is elsewhere (openai)
     with contextlib.suppress(FileNotFoundError):
@@ -240,16 +248,16 @@ def bench_engine(name: str, opts: BenchOptions, emit: Callable[[dict], None],
             return
         env = environment(opts.model, str(resolve_device(opts.device)), opts.dtype)
         env |= session.info
-        common = {"schema": 1, "label": opts.label, "engine": name, "input_len": opts.input_len,
-                  "output_len": opts.output_len, "range_ratio": opts.range_ratio,
-                  "seed": opts.seed}
+        common = {"schema": 1, "label": opts.label, "engine": name, "variant": variant,
+                  "repeat": repeat, "input_len": opts.input_len, "output_len": opts.output_len,
+                  "range_ratio": opts.range_ratio, "seed": opts.seed}
 
         def level(kind: str, concurrency: int, num_requests: int, salt: int,
                   ramp: bool) -> dict:
             requests = make_workload(kind, num_requests, opts.input_len, opts.output_len,
                                      seed=opts.seed, vocab_size=vocab,
                                      range_ratio=opts.range_ratio, salt=salt)
-            desc = f"{name} {kind} c={concurrency}" + (" ramp" if ramp else "")
+            desc = f"{spec} {kind} c={concurrency}" + (" ramp" if ramp else "")
             record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       **common, "workload": kind, "concurrency": concurrency, "ramp": ramp,
                       "num_requests": num_requests,
@@ -299,6 +307,24 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def split_engine_specs(text: str) -> list[str]:
+    """``"minivllm[compile=False,attention_backend=loop],transformers"`` -> the two specs
+    (commas inside brackets separate options, not engines)."""
+    return [s.strip() for s in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text) if s.strip()]
+
+
+def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
+    """``minivllm[compile=False]`` -> ("minivllm", "compile=False", {"compile": False}): an
+    engine run with options of its own on top of ``--engine-option``, so that two variants of
+    one engine can run side by side, in one invocation."""
+    match = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
+    if match is None or match.group(1) not in ENGINES:
+        raise SystemExit(f"unknown engine {spec!r}; choose from {', '.join(ENGINES)}, "
+                         "optionally with options: minivllm[compile=False,attention_backend=loop]")
+    variant = (match.group(2) or "").strip()
+    return match.group(1), variant, parse_engine_options(_csv(variant))
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
     from minivllm import TINY_MODEL
 
@@ -308,7 +334,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
     p.add_argument("--model", default=TINY_MODEL, help="checkpoint directory or hub id "
                    "(default: the bundled tiny model)")
     p.add_argument("--engines", default="minivllm,transformers",
-                   help=f"comma-separated, from {', '.join(ENGINES)}")
+                   help=f"comma-separated, from {', '.join(ENGINES)}; an engine may carry its "
+                        "own options: 'minivllm[compile=False],minivllm[compile=True]'")
     p.add_argument("--workloads", default="fixed,mixed", help="comma-separated: fixed, mixed")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
     p.add_argument("--num-requests", type=int, help="per level (default max(2*c, 8))")
@@ -334,11 +361,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                    "process instead of a fresh one each (faster start, shared RSS)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--repeat", type=int, default=1, help="run the engine list N times, "
+                   "interleaved (A B A B ...); the table shows each level's median run and "
+                   "the ratios pair runs of the same repeat")
+    p.add_argument("--baseline", help="engine label the ratios divide by (default "
+                   "transformers), e.g. 'minivllm[compile=False]'")
     a = p.parse_args(argv)
-    engines, workloads = _csv(a.engines), _csv(a.workloads)
+    engines, workloads = split_engine_specs(a.engines), _csv(a.workloads)
     for engine in engines:
-        if engine not in ENGINES:
-            p.error(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+        parse_engine_spec(engine)  # exits with a clear message on an unknown name or option
+    if a.repeat < 1:
+        p.error("--repeat must be at least 1")
     for workload in workloads:
         if workload not in WORKLOADS:
             p.error(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
@@ -349,7 +382,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
     opts = BenchOptions(a.model, engines, workloads, concurrency, a.num_requests, a.input_len,
                         a.output_len, a.range_ratio, a.seed, a.dtype, a.device, options,
                         a.base_url, a.label, a.ramp, a.ramp_step, a.ramp_cap,
-                        not a.no_isolate, a.request_timeout, not a.no_warmup)
+                        not a.no_isolate, a.request_timeout, not a.no_warmup, a.repeat,
+                        a.baseline)
     return opts, a.out or default_results_path(a.device)
 
 
@@ -361,20 +395,22 @@ def default_results_path(device: str = "auto") -> Path:
     return Path("bench/results") / f"{datetime.now():%Y-%m-%d}-{slug}.jsonl"
 
 
-def _worker(name: str, opts: BenchOptions, root_pid: int, conn) -> None:
+def _worker(spec: str, opts: BenchOptions, root_pid: int, repeat: int, conn) -> None:
     """Entry point of an isolated engine process: send every record, then None."""
     try:
-        bench_engine(name, opts, conn.send, root_pid)
+        bench_engine(spec, opts, conn.send, root_pid, repeat)
     except Exception as e:  # noqa: BLE001 (reported by the parent, which carries on)
         conn.send({"worker_error": f"{type(e).__name__}: {e}"})
     conn.send(None)
 
 
-def run_isolated(name: str, opts: BenchOptions, emit: Callable[[dict], None]) -> None:
+def run_isolated(name: str, opts: BenchOptions, emit: Callable[[dict], None],
+                 repeat: int = 0) -> None:
     """``bench_engine`` in a fresh process, so each engine's RSS is its own."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_worker, args=(name, opts, os.getpid(), child), daemon=True)
+    proc = ctx.Process(target=_worker, args=(name, opts, os.getpid(), repeat, child),
+                       daemon=True)
     proc.start()
     child.close()
     while True:
@@ -393,7 +429,8 @@ def run_isolated(name: str, opts: BenchOptions, emit: Callable[[dict], None]) ->
 
 
 def run_benchmark(opts: BenchOptions, out: Path | None) -> list[dict]:
-    """Every engine in turn; each record is appended to ``out`` as soon as it exists."""
+    """Every engine in turn, ``opts.repeat`` times round (A B A B: a slow spell of the machine
+    hits both); each record is appended to ``out`` as soon as it exists."""
     records: list[dict] = []
 
     def emit(record: dict) -> None:
@@ -403,23 +440,27 @@ def run_benchmark(opts: BenchOptions, out: Path | None) -> list[dict]:
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    for name in opts.engines:
-        if opts.isolate and name in ("minivllm", "transformers"):
-            run_isolated(name, opts, emit)
-        else:
-            try:
-                bench_engine(name, opts, emit)
-            except RuntimeError as e:  # a server that did not start
-                print(f"{name} failed: {e}")
+    for repeat in range(opts.repeat):
+        for spec in opts.engines:
+            if opts.isolate and parse_engine_spec(spec)[0] in ("minivllm", "transformers"):
+                run_isolated(spec, opts, emit, repeat)
+            else:
+                try:
+                    bench_engine(spec, opts, emit, repeat=repeat)
+                except RuntimeError as e:  # a server that did not start
+                    print(f"{spec} failed: {e}")
     return records
 
 
 def main(argv: list[str] | None = None) -> int:
     opts, out = parse_args(argv)
     records = run_benchmark(opts, out)
-    print(format_table([r for r in records if not r["ramp"]]))
-    for engine in dict.fromkeys(r["engine"] for r in records if r["ramp"]):
-        ramp = [r for r in records if r["ramp"] and r["engine"] == engine]
+    labels = [engine_label(r) for r in records]
+    baseline = opts.baseline or ("transformers" if "transformers" in labels or not labels
+                                 else labels[0])
+    print(format_table([r for r in records if not r["ramp"]], baseline))
+    for engine in dict.fromkeys(engine_label(r) for r in records if r["ramp"]):
+        ramp = [r for r in records if r["ramp"] and engine_label(r) == engine]
         served = [r["concurrency"] for r in ramp if not r["failures"]]
         capped = " (the cap: at least this)" if not ramp[-1]["failures"] else ""
         print(f"{engine}: max concurrency served without a failure: "

@@ -184,22 +184,72 @@ def _cell(record: dict, key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def format_table(records: list[dict], baseline: str = "transformers") -> str:
-    """A plain-text table (latencies in ms), a ``!`` on rows measured on a busy machine, and
-    each engine's output throughput as a ratio of ``baseline``'s at the same workload and
-    concurrency: on a CPU the ratios are the result, not the absolute numbers."""
-    rows = [[h for h, _, _ in TABLE_COLUMNS] + ["busy"]]
+def engine_label(record: dict) -> str:
+    """``minivllm``, or ``minivllm[compile=False]`` for a run with per-engine options."""
+    return record["engine"] + (f"[{record['variant']}]" if record.get("variant") else "")
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def median_runs(records: list[dict]) -> list[dict]:
+    """One record per (engine label, workload, concurrency): with ``--repeat N`` the run whose
+    output throughput is the median of the N (the lower middle one when N is even), with
+    ``repeats`` and every run's throughput added, so that one noisy run cannot decide a
+    result. Order of first appearance is kept."""
+    groups: dict[tuple, list[dict]] = {}
     for r in records:
+        key = (r.get("label"), engine_label(r), r["workload"], r["concurrency"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for runs in groups.values():
+        ranked = sorted(runs, key=lambda r: r.get("output_throughput") or 0.0)
+        middle = ranked[(len(ranked) - 1) // 2]
+        out.append({**middle, "repeats": len(runs),
+                    "output_throughput_runs": [r.get("output_throughput") for r in runs]})
+    return out
+
+
+def throughput_ratio(records: list[dict], label: str, baseline: str, workload: str,
+                     concurrency: int) -> tuple[float, float, float] | None:
+    """``label``'s output throughput over ``baseline``'s at one level: (median, min, max) of
+    the per-repeat ratios, pairing the runs of the same label and repeat (which ran back to
+    back)."""
+    def by_repeat(name: str) -> dict[tuple, float]:
+        return {(r.get("label"), r.get("repeat", 0)): r["output_throughput"] for r in records
+                if engine_label(r) == name and r["workload"] == workload
+                and r["concurrency"] == concurrency and r.get("output_throughput")}
+    a, b = by_repeat(label), by_repeat(baseline)
+    ratios = [a[i] / b[i] for i in a if i in b]
+    return (_median(ratios), min(ratios), max(ratios)) if ratios else None
+
+
+def format_table(records: list[dict], baseline: str = "transformers") -> str:
+    """A plain-text table (latencies in ms; with repeats, the median run of each level), a
+    ``!`` on rows measured on a busy machine, and each engine's output throughput as a ratio
+    of ``baseline``'s (an engine label, e.g. ``minivllm[compile=False]``) at the same
+    workload and concurrency: on a CPU the ratios are the result, not the absolute numbers."""
+    rows = [[h for h, _, _ in TABLE_COLUMNS] + ["runs", "busy"]]
+    medians = median_runs(records)
+    for r in medians:
         busy = "!" if r.get("load", {}).get("busy") else ""
-        rows.append([_cell(r, key, fmt) for _, key, fmt in TABLE_COLUMNS] + [busy])
+        cells = [_cell(r, key, fmt) for _, key, fmt in TABLE_COLUMNS]
+        cells[0] = engine_label(r)
+        rows.append(cells + [str(r["repeats"]), busy])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    base = {(r["workload"], r["concurrency"]): r.get("output_throughput")
-            for r in records if r["engine"] == baseline}
-    ratios = [f"{r['engine']} / {baseline} output throughput, {r['workload']} "
-              f"c={r['concurrency']}: {r['output_throughput'] / b:.2f}x"
-              for r in records if r["engine"] != baseline and r.get("output_throughput")
-              and (b := base.get((r["workload"], r["concurrency"])))]
+    ratios = []
+    for r in medians:
+        label = engine_label(r)
+        ratio = throughput_ratio(records, label, baseline, r["workload"], r["concurrency"])
+        if label != baseline and ratio:
+            spread = f" (median of {r['repeats']} paired runs, {ratio[1]:.2f}-{ratio[2]:.2f}x)" \
+                if r["repeats"] > 1 else ""
+            ratios.append(f"{label} / {baseline} output throughput, {r['workload']} "
+                          f"c={r['concurrency']}: {ratio[0]:.2f}x{spread}")
     if any(r.get("load", {}).get("busy") for r in records):
         lines.append("! = other processes used CPU during this run: the numbers are not valid")
     return "\n".join(lines + ratios)

@@ -20,14 +20,17 @@ from minivllm.bench import (
     main,
     parse_args,
     parse_engine_options,
+    parse_engine_spec,
     run_benchmark,
     serve_flags,
+    split_engine_specs,
 )
 from minivllm.bench_metrics import (
     BenchRequest,
     RequestResult,
     format_table,
     make_workload,
+    median_runs,
     percentile,
     request_latency,
     summarize,
@@ -36,7 +39,7 @@ from minivllm.bench_metrics import (
 REPO = Path(__file__).resolve().parent.parent
 METRIC_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                for s in ("mean", "median", "p99")]
-RECORD_KEYS = ["schema", "time", "label", "engine", "workload", "concurrency", "ramp",
+RECORD_KEYS = ["schema", "time", "label", "engine", "variant", "repeat", "workload", "concurrency", "ramp",
                "num_requests", "completed", "failures", "duration_s", "total_input_tokens",
                "total_output_tokens", "request_throughput", "output_throughput",
                "total_token_throughput", *METRIC_KEYS, "peak_memory_bytes",
@@ -109,6 +112,47 @@ def test_table_flags_busy_machine_and_quotes_ratios():
     table = format_table(records)
     assert "minivllm / transformers output throughput, fixed c=8: 2.50x" in table
     assert "not valid" in table and "1024" in table
+
+
+def test_repeats_report_the_median_run_and_paired_ratios():
+    """With --repeat, one noisy run must not decide a result: the table shows each level's
+    median run and the ratio pairs the runs that ran back to back (same repeat)."""
+    def rec(engine, variant, repeat, thr):
+        return {"engine": engine, "variant": variant, "repeat": repeat, "label": "x",
+                "workload": "fixed", "concurrency": 1, "output_throughput": thr,
+                "completed": 1, "failures": 0, "load": {"busy": False}}
+    eager = [rec("minivllm", "compile=False", i, t) for i, t in enumerate([100.0, 50.0, 110.0])]
+    compiled = [rec("minivllm", "", i, t) for i, t in enumerate([160.0, 70.0, 150.0])]
+    (row_e, row_c) = median_runs(eager + compiled)
+    assert (row_e["output_throughput"], row_e["repeats"]) == (100.0, 3)  # the median run
+    assert row_c["output_throughput"] == 150.0
+    assert row_e["output_throughput_runs"] == [100.0, 50.0, 110.0]
+    table = format_table(eager + compiled, baseline="minivllm[compile=False]")
+    # per-repeat ratios 1.6, 1.4, 1.364 -> median 1.40, not 150/100
+    assert ("minivllm / minivllm[compile=False] output throughput, fixed c=1: 1.40x "
+            "(median of 3 paired runs, 1.36-1.60x)") in table
+    assert "minivllm[compile=False]" in table.splitlines()[1]
+    # runs of another label are a different row, never pooled with these
+    other = [{**r, "label": "y", "output_throughput": 1.0} for r in eager]
+    assert len(median_runs(eager + other)) == 2
+
+
+def test_engine_specs_carry_their_own_options():
+    assert split_engine_specs("minivllm[compile=False,attention_backend=loop], transformers") \
+        == ["minivllm[compile=False,attention_backend=loop]", "transformers"]
+    assert parse_engine_spec("minivllm[compile=False,attention_backend=loop]") == (
+        "minivllm", "compile=False,attention_backend=loop",
+        {"compile": False, "attention_backend": "loop"})
+    assert parse_engine_spec("transformers") == ("transformers", "", {})
+    for bad in ("nope", "minivllm[no_such_field=1]", "minivllm[compile]"):
+        with pytest.raises(SystemExit):
+            parse_engine_spec(bad)
+    opts, _ = parse_args(["--engines", "minivllm[compile=False],minivllm", "--repeat", "3",
+                          "--baseline", "minivllm[compile=False]"])
+    assert (opts.engines, opts.repeat, opts.baseline) == (
+        ["minivllm[compile=False]", "minivllm"], 3, "minivllm[compile=False]")
+    with pytest.raises(SystemExit):
+        parse_args(["--repeat", "0"])
 
 
 # --- workloads ---------------------------------------------------------------------------
@@ -241,6 +285,17 @@ def test_main_without_runnable_engine_fails(capsys):
 
 def test_bench_request_is_a_plain_value():
     assert BenchRequest([1, 2], 3) == BenchRequest([1, 2], 3)
+
+
+def test_variants_run_side_by_side_interleaved(tiny_model):
+    """Two variants of one engine in one invocation, A B A B, each with its own options."""
+    opts = _options(tiny_model, ["minivllm[attention_backend=loop]", "minivllm"],
+                    workloads=["fixed"], repeat=2)
+    records = run_benchmark(opts, None)
+    assert [(r["variant"], r["repeat"]) for r in records] == [
+        ("attention_backend=loop", 0), ("", 0), ("attention_backend=loop", 1), ("", 1)]
+    assert [r["env"]["attention_backend"] for r in records] == ["loop", "batched"] * 2
+    assert all(r["env"]["engine_options"]["compile"] is False for r in records)  # shared option
 
 
 def test_ramp_runs_one_wave_per_level_until_the_cap(tiny_model):
