@@ -8,9 +8,19 @@ real weight shapes and dtype), sums their FLOPs and time, and reports
     roofline tokens/s      = sustained rate / FLOPs per token
 
 so that a benchmark's output tokens/s at that concurrency can be quoted as a fraction of it.
+
+That is the roofline of *decode steps*. A benchmark's output throughput also pays for every
+prompt: with ``--input-len I --output-len O`` it reports the roofline **for the workload**,
+where each request runs I + O - 1 tokens through the layers (the prompt, then every output
+token but the last), O through the ``lm_head`` and attention over the growing context, all
+charged at the same sustained rate, divided by the O output tokens it delivers:
+
+    workload roofline tokens/s = sustained rate / (workload FLOPs per request / O)
+
 Run it alone on a quiet machine, like the benchmark.
 
-    python tools/roofline.py --model checkpoints/qwen2.5-0.5b-random --dtype float32 --batch 32
+    python tools/roofline.py --model checkpoints/qwen2.5-0.5b-random --dtype float32 --batch 32 \
+        --input-len 32 --output-len 64
 """
 
 from __future__ import annotations
@@ -51,7 +61,24 @@ def time_linear(rows: int, out_f: int, in_f: int, dtype: torch.dtype, repeats: i
     return sorted(times)[len(times) // 2]
 
 
-def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15) -> dict:
+def workload_flops_per_output_token(mc: ModelConfig, input_len: int, output_len: int) -> float:
+    """FLOPs a request of ``input_len`` prompt and ``output_len`` output tokens costs, per
+    output token: linear layers for the I + O - 1 tokens that go through the model, the
+    lm_head for the O positions that are sampled, attention (QK^T and PV, 4 * context * H * D
+    per layer) for every token over its context."""
+    shapes = linear_shapes(mc)
+    layer_flops = sum(2.0 * out_f * in_f * count for name, out_f, in_f, count in shapes
+                      if name != "lm_head")
+    lm_head_flops = 2.0 * mc.vocab_size * mc.hidden_size
+    through = input_len + output_len - 1
+    attention_per_key = 4.0 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
+    contexts = through * (through + 1) / 2  # token p attends to p + 1 keys
+    total = through * layer_flops + output_len * lm_head_flops + contexts * attention_per_key
+    return total / output_len
+
+
+def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
+             input_len: int | None = None, output_len: int | None = None) -> dict:
     mc = ModelConfig.from_pretrained(resolve_model_path(model))
     step_seconds = step_flops = 0.0
     per_layer = {}
@@ -67,7 +94,16 @@ def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15) -> d
             "threads": torch.get_num_threads(), "sustained_gflops": round(rate / 1e9, 2),
             "gflop_per_token": round(flops_per_token / 1e9, 4),
             "roofline_tokens_per_s": round(rate / flops_per_token, 2),
-            "gflops_by_layer": per_layer}
+            "gflops_by_layer": per_layer} | _workload(mc, rate, input_len, output_len)
+
+
+def _workload(mc: ModelConfig, rate: float, input_len: int | None, output_len: int | None) -> dict:
+    if not (input_len and output_len):
+        return {}
+    per_token = workload_flops_per_output_token(mc, input_len, output_len)
+    return {"input_len": input_len, "output_len": output_len,
+            "workload_gflop_per_output_token": round(per_token / 1e9, 4),
+            "workload_roofline_tokens_per_s": round(rate / per_token, 2)}
 
 
 def main() -> None:
@@ -76,8 +112,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--input-len", type=int, help="the benchmark's prompt length (fixed workload)")
+    ap.add_argument("--output-len", type=int, help="the benchmark's output length")
     args = ap.parse_args()
-    result = roofline(args.model, getattr(torch, args.dtype), args.batch, args.repeats)
+    result = roofline(args.model, getattr(torch, args.dtype), args.batch, args.repeats,
+                      args.input_len, args.output_len)
     print(json.dumps(result, indent=2))
 
 
