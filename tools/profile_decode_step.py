@@ -1,0 +1,61 @@
+"""Where one decode step's time goes: ``torch.profiler`` over one engine step of N decoding
+sequences, by operator (self CPU time and call counts).
+
+Prefills N requests (``--input-len`` random prompt tokens each), runs a few decode steps to
+warm up, times four more, then profiles one. Run it alone on a quiet machine. Used for the
+Amdahl argument of docs/decisions.md (Milestone 6): how much of a batched decode step is
+matmuls, how much attention.
+
+    python tools/profile_decode_step.py --model checkpoints/qwen2.5-0.5b-random \\
+        --attention-backend batched --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from torch.profiler import profile
+
+from minivllm import TINY_MODEL
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.sampling import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=TINY_MODEL, help="checkpoint (default: the bundled tiny model)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attention-backend", default="batched", choices=["loop", "batched"])
+    ap.add_argument("--compile", action="store_true", help="the compiled decode step (M7)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=18, help="operators to list")
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
+                                    attention_backend=args.attention_backend,
+                                    max_num_seqs=max(64, args.batch)))
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    for i in range(args.batch):
+        engine.add_request(str(i), [rng.randrange(1000) for _ in range(args.input_len)], params)
+    while engine.scheduler.waiting:  # prefill everyone (possibly over several steps)
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    print(f"{args.attention_backend}{' compiled' if args.compile else ''}, batch {args.batch}: "
+          f"decode step {', '.join(f'{t * 1e3:.0f}' for t in times)} ms")
+    with profile() as prof:
+        engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
