@@ -14,29 +14,14 @@ from __future__ import annotations
 
 import inspect
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from .grading import assert_close, assert_equal, passed
+from .grading import assert_close, assert_equal, exercise, passed, require
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 8  # small GQA shapes: 4 query heads per kv head
-
-
-def _require(condition: bool, what: str, message: str, hint: str | None = None) -> None:
-    if not condition:
-        raise AssertionError(f"{what}: {message}" + (f"\n  hint: {hint}" if hint else ""))
-
-
-@contextmanager
-def _exercise(what: str):
-    """Turn a stub's NotImplementedError into the grader's AssertionError."""
-    try:
-        yield
-    except NotImplementedError as err:
-        raise AssertionError(f"{what}: not implemented yet ({err})") from None
 
 
 def _hf():
@@ -144,14 +129,14 @@ def check_rmsnorm(RMSNorm) -> None:
         _load_same_weights(ours, ref, what)
         ref, ours = ref.to(dtype), ours.to(dtype)
         xd = x.to(dtype)
-        with _exercise(what), torch.no_grad():
+        with exercise(what), torch.no_grad():
             got = ours(xd)
         want = ref(xd)
-        _require(isinstance(got, torch.Tensor), what, f"forward returned {type(got).__name__}")
+        require(isinstance(got, torch.Tensor), what, f"forward returned {type(got).__name__}")
         bad_rows = (~torch.isfinite(got)).any(-1).nonzero().flatten().tolist()
-        _require(not bad_rows, what, f"non-finite output in {dtype} in rows {bad_rows} (row 1 "
-                 "of the input is all zeros)",
-                 "add eps inside the square root: x * rsqrt(mean(x**2) + eps)")
+        require(not bad_rows, what, f"non-finite output in {dtype} in rows {bad_rows} (row 1 "
+                "of the input is all zeros)",
+                "add eps inside the square root: x * rsqrt(mean(x**2) + eps)")
         if dtype == torch.float32:
             if not _matches(got[2:3], want[2:3], atol=1e-3) and _matches(got[:1], want[:1]):
                 raise AssertionError(f"{what}: a row of tiny values (mean(x^2) ~ 1e-8) is off, "
@@ -160,8 +145,8 @@ def check_rmsnorm(RMSNorm) -> None:
             worst = assert_close(got, want, what=f"{what}, float32", atol=1e-5, rtol=1e-5,
                                  hint="y = weight * x / sqrt(mean(x**2, last axis) + eps)")
         else:
-            _require(got.dtype == dtype, what, f"bf16 input gave a {got.dtype} output",
-                     "cast x back to the input dtype before multiplying by the weight")
+            require(got.dtype == dtype, what, f"bf16 input gave a {got.dtype} output",
+                    "cast x back to the input dtype before multiplying by the weight")
             assert_close(got, want, what=f"{what}, bfloat16 (must match exactly)", atol=0,
                          rtol=0, hint="compute the mean of squares in float32 (x.float()), "
                                       "cast back with .to(dtype), then multiply by the weight")
@@ -203,10 +188,10 @@ def check_rope(rope_cos_sin, rotate_half, apply_rope) -> None:
     assert_close(ours_sin, sin, what=f"{what}: rope_cos_sin sin", atol=1e-6)
 
     basis = torch.eye(d)
-    with _exercise(f"{what}: rotate_half"):
+    with exercise(f"{what}: rotate_half"):
         rotated = rotate_half(basis)
-    _require(isinstance(rotated, torch.Tensor) and rotated.shape == basis.shape,
-             f"{what}: rotate_half", f"expected a tensor of shape {tuple(basis.shape)}")
+    require(isinstance(rotated, torch.Tensor) and rotated.shape == basis.shape,
+            f"{what}: rotate_half", f"expected a tensor of shape {tuple(basis.shape)}")
     if not torch.equal(rotated, hf.rotate_half(basis)):
         convention = _convention(rotated[0], d)
         if convention == "interleaved":
@@ -217,7 +202,7 @@ def check_rope(rope_cos_sin, rotate_half, apply_rope) -> None:
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(positions), 3, d, generator=gen)  # (T, H, D)
-    with _exercise(f"{what}: apply_rope"):
+    with exercise(f"{what}: apply_rope"):
         got = apply_rope(q, cos, sin)
     probe = torch.zeros(len(positions), 1, d)
     probe[..., 0] = 1.0  # e_0 at every position: where does it rotate to?
@@ -235,8 +220,8 @@ def check_rope(rope_cos_sin, rotate_half, apply_rope) -> None:
                                          "broadcast over the heads axis: cos[:, None, :]")
     q16 = q.to(torch.bfloat16)
     got16 = apply_rope(q16, cos, sin)
-    _require(got16.dtype == torch.bfloat16, what, f"apply_rope on bf16 q returned {got16.dtype}",
-             "cast cos and sin to x.dtype first, as transformers does")
+    require(got16.dtype == torch.bfloat16, what, f"apply_rope on bf16 q returned {got16.dtype}",
+            "cast cos and sin to x.dtype first, as transformers does")
     ref16, _ = hf.apply_rotary_pos_emb(q16.transpose(0, 1)[None], q16.transpose(0, 1)[None],
                                        cos.to(torch.bfloat16)[None], sin.to(torch.bfloat16)[None])
     assert_close(got16, ref16[0].transpose(0, 1), what=f"{what}: apply_rope in bfloat16",
@@ -259,13 +244,13 @@ def check_attention(causal_attention, Attention) -> None:
     worst = 0.0
     for tq in (7, 3, 1):
         q = torch.randn(tq, HEADS, d, generator=gen)
-        with _exercise(what):
+        with exercise(what):
             got = causal_attention(q, k, v)
         want = reference_attention(q, k, v)
         where = f"{what}, {tq} queries over {tk} keys"
-        _require(isinstance(got, torch.Tensor) and got.shape == want.shape, where,
-                 f"expected shape {tuple(want.shape)} (Tq, Hq, D), got "
-                 f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+        require(isinstance(got, torch.Tensor) and got.shape == want.shape, where,
+                f"expected shape {tuple(want.shape)} (Tq, Hq, D), got "
+                f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
         if not _matches(got, want, atol=1e-5):
             if _matches(got, reference_attention(q, k, v, tiled=True), atol=1e-5):
                 raise AssertionError(
@@ -290,7 +275,7 @@ def check_attention(causal_attention, Attention) -> None:
     _load_same_weights(ours, ref, layer)
     x, positions = torch.randn(9, HIDDEN, generator=gen), torch.arange(9)
     cos, sin = _hf_rope(cfg, positions)
-    with torch.no_grad(), _exercise(layer):
+    with torch.no_grad(), exercise(layer):
         want, _ = ref(x[None], (cos[None], sin[None]), attention_mask=_causal_mask(9, 9)[None, None])
         got = ours(x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v))
     layer_diff = assert_close(got, want[0], what=layer, atol=1e-5, rtol=1e-5)
@@ -310,7 +295,7 @@ def check_mlp(MLP) -> None:
     ours = MLP(_our_config(cfg))
     _load_same_weights(ours, ref, what)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad(), _exercise(what):
+    with torch.no_grad(), exercise(what):
         got = ours(x)
     with torch.no_grad():
         want = ref(x)
@@ -341,7 +326,7 @@ def check_decoder_layer(DecoderLayer) -> None:
         want = ref(x[None], attention_mask=_causal_mask(6, 6)[None, None],
                    position_embeddings=(cos[None], sin[None]))
         want = want[0] if isinstance(want, tuple) else want
-        with _exercise(what):
+        with exercise(what):
             got = ours(x, cos, sin, lambda i, q, k, v: reference_attention(q, k, v))
     worst = assert_close(got, want[0], what=what, atol=1e-5, rtol=1e-5,
                          hint="pre-norm residuals: x = x + attn(input_layernorm(x)), then "
@@ -369,8 +354,8 @@ def _expect_error(load_model, path: Path, name: str, problem: str, what: str) ->
     except NotImplementedError:
         raise
     except ValueError as err:
-        _require(name in str(err), what, f"the {problem} error does not name the tensor "
-                 f"{name!r}: {err}", "say which tensor is wrong, and how")
+        require(name in str(err), what, f"the {problem} error does not name the tensor "
+                f"{name!r}: {err}", "say which tensor is wrong, and how")
         return
     except Exception as err:  # noqa: BLE001 (any other exception is the wrong kind)
         raise AssertionError(f"{what}: a checkpoint with a {problem} raised "
@@ -403,7 +388,7 @@ def check_load_model(load_model) -> None:
             state["model.rotary_emb.inv_freq"] = torch.ones(HIDDEN // HEADS // 2)
         path = _save_checkpoint(tmp / f"ckpt{n}", state, cfg)
         case = f"{what}, tie_word_embeddings={tied}, lm_head.weight stored={store_head}"
-        with _exercise(what):
+        with exercise(what):
             try:
                 model = load_model(path)
             except NotImplementedError:  # a RuntimeError, but the stub's: _exercise says so
@@ -413,28 +398,28 @@ def check_load_model(load_model) -> None:
                                      f"{type(err).__name__}: {err}") from None
         ours = dict(model.named_parameters(remove_duplicate=False))
         for name, ref_param in hf.named_parameters(remove_duplicate=False):
-            _require(name in ours, case, f"the model has no parameter {name!r}")
-            _require(ours[name].device.type != "meta", case, f"{name!r} is still on the meta "
-                     "device (never filled)",
-                     "a tied lm_head must point at embed_tokens.weight again after "
-                     "load_state_dict(assign=True) replaced that Parameter" if "lm_head" in name
-                     else "every parameter must come from the checkpoint")
+            require(name in ours, case, f"the model has no parameter {name!r}")
+            require(ours[name].device.type != "meta", case, f"{name!r} is still on the meta "
+                    "device (never filled)",
+                    "a tied lm_head must point at embed_tokens.weight again after "
+                    "load_state_dict(assign=True) replaced that Parameter" if "lm_head" in name
+                    else "every parameter must come from the checkpoint")
             assert_close(ours[name], ref_param, what=f"{case}: {name}", atol=0, rtol=0)
         if tied:
-            _require(model.lm_head.weight is model.model.embed_tokens.weight, case,
-                     "lm_head.weight is not the same Parameter as embed_tokens.weight",
-                     "tie them: model.lm_head.weight = model.model.embed_tokens.weight")
+            require(model.lm_head.weight is model.model.embed_tokens.weight, case,
+                    "lm_head.weight is not the same Parameter as embed_tokens.weight",
+                    "tie them: model.lm_head.weight = model.model.embed_tokens.weight")
 
     cfg = _hf_config()
     hf = Qwen2ForCausalLM(cfg)
     _randomize(hf, seed=9)
     base = dict(hf.state_dict())
     victim = "model.layers.1.self_attn.k_proj.weight"
-    with _exercise(what):
+    with exercise(what):
         model = load_model(_save_checkpoint(tmp / "bf16", base, cfg), dtype=torch.bfloat16)
-    _require(model.lm_head.weight.dtype == torch.bfloat16, what,
-             f"load_model(dtype=torch.bfloat16) gave {model.lm_head.weight.dtype} weights",
-             "cast each tensor with .to(device=device, dtype=dtype)")
+    require(model.lm_head.weight.dtype == torch.bfloat16, what,
+            f"load_model(dtype=torch.bfloat16) gave {model.lm_head.weight.dtype} weights",
+            "cast each tensor with .to(device=device, dtype=dtype)")
     broken = {**base, victim: base[victim][:, :-1]}
     _expect_error(load_model, _save_checkpoint(tmp / "shape", broken, cfg), victim,
                   "shape mismatch", what)
@@ -503,15 +488,15 @@ def check_greedy(greedy_generate, model, model_path: str | Path, max_new_tokens:
         for prompt in prompts:
             want = hf_greedy(hf, prompt, max_new_tokens)
             count[0] = 0
-            with _exercise(what):
+            with exercise(what):
                 got = greedy_generate(model, prompt, max_new_tokens)
             assert_equal(got, want, what=f"{what}, prompt of {len(prompt)} tokens",
                          hint="return only the new tokens; argmax of the last position's logits")
             fed = len(prompt) + len(got) - 1
-            _require(count[0] == fed, what, f"{count[0]} tokens went through the model for a "
-                     f"{len(prompt)}-token prompt and {len(got)} new tokens; with a KV cache it "
-                     f"is {fed} (the prompt once, then one token per step)",
-                     "after the prefill feed only the new token, at position cache.length")
+            require(count[0] == fed, what, f"{count[0]} tokens went through the model for a "
+                    f"{len(prompt)}-token prompt and {len(got)} new tokens; with a KV cache it "
+                    f"is {fed} (the prompt once, then one token per step)",
+                    "after the prefill feed only the new token, at position cache.length")
         prompt = prompts[1]
         free = hf_greedy(hf, prompt, max_new_tokens)
         eos = free[3]
@@ -538,11 +523,11 @@ def check_milestone(load_model, greedy_generate, model_path: str | Path, prompts
     what = "Milestone 1"
     tok = Tokenizer.from_pretrained(model_path)
     eos = tuple(read_eos_token_ids(model_path))
-    with _exercise(what):
+    with exercise(what):
         ours = load_model(model_path)
     hf = hf_model(model_path)
     ids = tok.encode(prompts[0])
-    with torch.no_grad(), _exercise(what):
+    with torch.no_grad(), exercise(what):
         hidden = ours(torch.tensor(ids), torch.arange(len(ids)),
                       lambda i, q, k, v: reference_attention(q, k, v))
         got = ours.compute_logits(hidden)
@@ -553,7 +538,7 @@ def check_milestone(load_model, greedy_generate, model_path: str | Path, prompts
     for prompt in prompts:
         ids = tok.encode(prompt)
         want = hf_greedy(hf, ids, max_new_tokens, eos)
-        with _exercise(what):
+        with exercise(what):
             got = greedy_generate(ours, ids, max_new_tokens, eos_token_ids=eos)
         assert_equal(got, want, what=f"{what}: greedy continuation of {prompt!r}",
                      hint=f"yours: {tok.decode(got)!r}\n  transformers: {tok.decode(want)!r}")

@@ -13,27 +13,11 @@ import inspect
 import os
 import random
 from collections import Counter
-from contextlib import contextmanager
 from unittest import mock
 
-from .grading import assert_equal, passed
+from .grading import assert_equal, exercise, passed, require
 
 INF = float("inf")
-
-
-def _require(condition: bool, what: str, message: str, hint: str | None = None) -> None:
-    if not condition:
-        text = f"{what}: {message}"
-        raise AssertionError(text + (f"\n  hint: {hint}" if hint else ""))
-
-
-@contextmanager
-def _exercise(what: str):
-    """Turn a stub's NotImplementedError into the grader's AssertionError."""
-    try:
-        yield
-    except NotImplementedError as err:
-        raise AssertionError(f"{what}: not implemented yet ({err})") from None
 
 
 # ----------------------------------------------------------------------------- the scheduler
@@ -84,61 +68,61 @@ def _run_scheduler(sched, seqs, bm, *, num_blocks: int, sharing: bool, trace, wi
     for step, expected in enumerate(trace + [None] * 3):
         if not sched.has_unfinished():
             break
-        _require(expected is not None, what, f"still unfinished after {len(trace)} steps "
-                 f"(running {sched.running}, waiting {list(sched.waiting)})",
-                 "does every running sequence get its tokens while the budget lasts?")
+        require(expected is not None, what, f"still unfinished after {len(trace)} steps "
+                f"(running {sched.running}, waiting {list(sched.waiting)})",
+                "does every running sequence get its tokens while the budget lasts?")
         running_before = list(sched.running)
         waiting_before = list(sched.waiting)
-        with _exercise(what):
+        with exercise(what):
             plan = sched.schedule()
-        _require(plan is not None, what, "schedule() returned None; return the SchedulerOutput")
+        require(plan is not None, what, "schedule() returned None; return the SchedulerOutput")
         where = f"step {step}"
         budget = sched.max_num_batched_tokens
-        _require(plan.num_batched_tokens <= budget, what,
-                 f"{where}: {plan.num_batched_tokens} tokens scheduled, budget {budget}",
-                 "each sequence gets min(tokens left to compute, budget left)")
-        _require(len(sched.running) <= sched.max_num_seqs, what,
-                 f"{where}: {len(sched.running)} sequences running, max_num_seqs "
-                 f"{sched.max_num_seqs}")
+        require(plan.num_batched_tokens <= budget, what,
+                f"{where}: {plan.num_batched_tokens} tokens scheduled, budget {budget}",
+                "each sequence gets min(tokens left to compute, budget left)")
+        require(len(sched.running) <= sched.max_num_seqs, what,
+                f"{where}: {len(sched.running)} sequences running, max_num_seqs "
+                f"{sched.max_num_seqs}")
         victims = [s.seq_id for s in plan.preempted]
         newest = [s.seq_id for s in reversed(running_before)][:len(victims)]
-        _require(victims == newest, what,
-                 f"{where}: preempted {victims}, but the newest running sequences were {newest}",
-                 "preempt from the end of self.running (the most recently admitted)")
-        _require(not (plan.preempted and plan.admitted), what,
-                 f"{where}: admitted {[s.seq_id for s in plan.admitted]} in a step that "
-                 "preempted — the pool is short, so nothing new may start")
+        require(victims == newest, what,
+                f"{where}: preempted {victims}, but the newest running sequences were {newest}",
+                "preempt from the end of self.running (the most recently admitted)")
+        require(not (plan.preempted and plan.admitted), what,
+                f"{where}: admitted {[s.seq_id for s in plan.admitted]} in a step that "
+                "preempted — the pool is short, so nothing new may start")
         queue = [s.seq_id for s in plan.preempted[::-1]] + [s.seq_id for s in waiting_before]
         got = [s.seq_id for s in plan.admitted]
-        _require(got == queue[:len(got)], what,
-                 f"{where}: admitted {got}, but the queue's head was {queue[:len(got) + 1]}",
-                 "admit from the front of self.waiting, first come first served")
+        require(got == queue[:len(got)], what,
+                f"{where}: admitted {got}, but the queue's head was {queue[:len(got) + 1]}",
+                "admit from the front of self.waiting, first come first served")
         first_admitted += [i for i in got if i not in first_admitted]
         for seq, n in plan.scheduled:
             left = seq.num_tokens - seq.num_computed_tokens
-            _require(1 <= n <= left, what, f"{where}: seq {seq.seq_id} scheduled for {n} "
-                     f"tokens but has {left} left to compute")
-            _require(len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n, what,
-                     f"{where}: seq {seq.seq_id} computes up to token "
-                     f"{seq.num_computed_tokens + n} but its block table holds "
-                     f"{len(seq.block_table)} blocks of {bm.block_size}",
-                     "grow the block table before scheduling (bm.can_grow / bm.grow)")
+            require(1 <= n <= left, what, f"{where}: seq {seq.seq_id} scheduled for {n} "
+                    f"tokens but has {left} left to compute")
+            require(len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n, what,
+                    f"{where}: seq {seq.seq_id} computes up to token "
+                    f"{seq.num_computed_tokens + n} but its block table holds "
+                    f"{len(seq.block_table)} blocks of {bm.block_size}",
+                    "grow the block table before scheduling (bm.can_grow / bm.grow)")
         if not sharing:
             held = sum(len(s.block_table) for s in sched.running)
-            _require(held + bm.num_free_blocks == num_blocks, what,
-                     f"{where}: blocks held by running sequences ({held}) + free "
-                     f"({bm.num_free_blocks}) != pool ({num_blocks})",
-                     "a preempted sequence must give its blocks back (self._preempt)")
+            require(held + bm.num_free_blocks == num_blocks, what,
+                    f"{where}: blocks held by running sequences ({held}) + free "
+                    f"({bm.num_free_blocks}) != pool ({num_blocks})",
+                    "a preempted sequence must give its blocks back (self._preempt)")
         assert_equal(_plan_summary(plan, with_cached), expected, what=f"{what}, {where} "
                      "([(seq, new tokens)], [preempted], [admitted])")
         sampled = {s.seq_id: 7 for s, n in plan.scheduled
                    if s.num_computed_tokens + n == s.num_tokens}
         sched.postprocess(plan.scheduled, sampled)
-    _require(first_admitted == sorted(first_admitted), what,
-             f"first admissions in the order {first_admitted}: not first-come-first-served")
-    _require(all(s.is_finished for s in seqs), what, "not every sequence finished")
-    _require(bm.num_free_blocks == num_blocks, what,
-             f"{bm.num_free_blocks} of {num_blocks} blocks free at the end")
+    require(first_admitted == sorted(first_admitted), what,
+            f"first admissions in the order {first_admitted}: not first-come-first-served")
+    require(all(s.is_finished for s in seqs), what, "not every sequence finished")
+    require(bm.num_free_blocks == num_blocks, what,
+            f"{bm.num_free_blocks} of {num_blocks} blocks free at the end")
 
 
 def check_schedule(Scheduler, Sequence) -> None:
@@ -207,13 +191,13 @@ def check_stop(Scheduler, Sequence) -> None:
     for i, (case, kwargs, prompt_len, before, token, expected) in enumerate(_STOP_CASES):
         seq = Sequence(i, f"r{i}", [5] * prompt_len, SamplingParams(**kwargs))
         seq.token_ids += [*before, token]
-        with _exercise(what):
+        with exercise(what):
             got = sched.check_stop(seq, token)
         got = tuple(got) if got is not None else None
-        _require(got == expected, what, f"{case} ({kwargs}, {prompt_len} prompt tokens, "
-                 f"output {seq.output_token_ids}): got {got}, expected {expected}",
-                 "EOS and stop ids count only from min_tokens on (ignore_eos skips EOS); "
-                 "a stop beats the length limit")
+        require(got == expected, what, f"{case} ({kwargs}, {prompt_len} prompt tokens, "
+                f"output {seq.output_token_ids}): got {got}, expected {expected}",
+                "EOS and stop ids count only from min_tokens on (ignore_eos skips EOS); "
+                "a stop beats the length limit")
     passed(what, f"{len(_STOP_CASES)} cases: EOS, ignore_eos, stop ids, min/max_tokens, "
            "max_model_len")
 
@@ -226,19 +210,19 @@ def _mask_case(fn, what: str, logits, arg, kept: list[list[int]], hint: str) -> 
 
     logits = torch.tensor(logits, dtype=torch.float32)
     before = logits.clone()
-    with _exercise(what):
+    with exercise(what):
         out = fn(logits, arg)
-    _require(isinstance(out, torch.Tensor) and out.shape == logits.shape, what,
-             f"expected a tensor of shape {tuple(logits.shape)}, got "
-             f"{getattr(out, 'shape', type(out).__name__)}")
-    _require(torch.equal(logits, before), what, "the input logits were modified in place")
+    require(isinstance(out, torch.Tensor) and out.shape == logits.shape, what,
+            f"expected a tensor of shape {tuple(logits.shape)}, got "
+            f"{getattr(out, 'shape', type(out).__name__)}")
+    require(torch.equal(logits, before), what, "the input logits were modified in place")
     for row, keep in enumerate(kept):
         got = [i for i, x in enumerate(out[row].tolist()) if x != -INF]
-        _require(got == keep, what, f"row {row} (logits {before[row].tolist()}, "
-                 f"{arg[row].item()}): kept tokens {got}, expected {keep}", hint)
-        _require(torch.equal(out[row, keep], before[row, keep]), what,
-                 f"row {row}: kept logits changed: {out[row].tolist()}",
-                 "mask with -inf, leave the kept logits as they are")
+        require(got == keep, what, f"row {row} (logits {before[row].tolist()}, "
+                f"{arg[row].item()}): kept tokens {got}, expected {keep}", hint)
+        require(torch.equal(out[row, keep], before[row, keep]), what,
+                f"row {row}: kept logits changed: {out[row].tolist()}",
+                "mask with -inf, leave the kept logits as they are")
 
 
 def check_top_k(mask_top_k) -> None:
@@ -300,27 +284,25 @@ def check_exponential_noise(exponential_noise) -> None:
     what = "Exercise 3.4 (exponential_noise)"
     seeds = [5, None, 6, None]
     make = lambda: [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-    with _exercise(what):
+    with exercise(what):
         q = exponential_noise(4, 3000, make(), "cpu")
-    _require(isinstance(q, torch.Tensor) and q.shape == (4, 3000), what,
-             f"expected a (4, 3000) tensor, got {getattr(q, 'shape', type(q).__name__)}")
-    _require(q.dtype.is_floating_point and bool((q > 0).all()), what,
-             "Exp(1) noise is positive floating point")
+    require(isinstance(q, torch.Tensor) and q.shape == (4, 3000), what,
+            f"expected a (4, 3000) tensor, got {getattr(q, 'shape', type(q).__name__)}")
+    require(q.dtype.is_floating_point and bool((q > 0).all()), what,
+            "Exp(1) noise is positive floating point")
     means = q.mean(-1).tolist()
-    _require(all(abs(m - 1) < 0.1 for m in means), what,
-             f"row means {[round(m, 3) for m in means]}; Exp(1) has mean 1",
-             "use Tensor.exponential_() (rate 1), not rand or randn")
-    _require(not torch.equal(q[1], q[3]), what, "two unseeded rows got the same noise")
+    require(all(abs(m - 1) < 0.1 for m in means), what,
+            f"row means {[round(m, 3) for m in means]}; Exp(1) has mean 1",
+            "use Tensor.exponential_() (rate 1), not rand or randn")
+    require(not torch.equal(q[1], q[3]), what, "two unseeded rows got the same noise")
     for row, seed in enumerate(seeds):
         if seed is None:
             continue
         alone = exponential_noise(1, 3000, [torch.Generator().manual_seed(seed)], "cpu")[0]
-        _require(torch.equal(alone, q[row]), what,
-                 f"row {row} (seed {seed}) differs from the same seed drawn alone",
-                 "draw a seeded row from its own generator only")
+        require(torch.equal(alone, q[row]), what,
+                f"row {row} (seed {seed}) differs from the same seed drawn alone",
+                "draw a seeded row from its own generator only")
     passed(what, "Exp(1), seeded rows independent of the batch")
-
-
 
 
 def check_exponential_race(exponential_race) -> None:
@@ -332,22 +314,22 @@ def check_exponential_race(exponential_race) -> None:
     probs = torch.tensor([0.6, 0.25, 0.1, 0.05, 0.0])
     rows = 4000
     gens = [torch.Generator().manual_seed(1000 + i) for i in range(rows)]
-    with _exercise(what):
+    with exercise(what):
         tokens = exponential_race(probs.repeat(rows, 1), gens)
-    _require(isinstance(tokens, torch.Tensor) and tokens.shape == (rows,), what,
-             f"expected a ({rows},) tensor of token ids, got {getattr(tokens, 'shape', tokens)}")
-    _require(tokens.dtype == torch.int64, what, f"token ids must be int64, got {tokens.dtype}")
+    require(isinstance(tokens, torch.Tensor) and tokens.shape == (rows,), what,
+            f"expected a ({rows},) tensor of token ids, got {getattr(tokens, 'shape', tokens)}")
+    require(tokens.dtype == torch.int64, what, f"token ids must be int64, got {tokens.dtype}")
     freq = Counter(tokens.tolist())
-    _require(freq[4] == 0, what, "drew a token of probability 0")
+    require(freq[4] == 0, what, "drew a token of probability 0")
     for token, p in enumerate(probs.tolist()[:4]):
-        _require(abs(freq[token] / rows - p) < 0.03, what,
-                 f"token {token} drawn {freq[token] / rows:.3f} of the time, p = {p}",
-                 "argmax(p / q) with q ~ Exp(1) is a draw from p (argmax(p) is greedy)")
+        require(abs(freq[token] / rows - p) < 0.03, what,
+                f"token {token} drawn {freq[token] / rows:.3f} of the time, p = {p}",
+                "argmax(p / q) with q ~ Exp(1) is a draw from p (argmax(p) is greedy)")
     with torch.random.fork_rng():
         torch.manual_seed(0)
         unseeded = Counter(exponential_race(probs.repeat(rows, 1), [None] * rows).tolist())
-    _require(abs(unseeded[0] / rows - 0.6) < 0.03 and unseeded[4] == 0, what,
-             f"rows without a generator: frequencies {dict(unseeded)} do not follow p")
+    require(abs(unseeded[0] / rows - 0.6) < 0.03 and unseeded[4] == 0, what,
+            f"rows without a generator: frequencies {dict(unseeded)} do not follow p")
     # A seeded row must not depend on its neighbours: alone == inside a batch.
     rng = random.Random(3)
     batch = torch.tensor([[rng.random() for _ in range(50)] for _ in range(6)])
@@ -359,13 +341,13 @@ def check_exponential_race(exponential_race) -> None:
         if seed is None:
             continue
         alone = exponential_race(batch[row:row + 1], [torch.Generator().manual_seed(seed)])
-        _require(int(alone[0]) == together[row], what,
-                 f"row {row} (seed {seed}) drew {together[row]} inside the batch but "
-                 f"{int(alone[0])} alone", "draw a seeded row's noise from its own generator")
+        require(int(alone[0]) == together[row], what,
+                f"row {row} (seed {seed}) drew {together[row]} inside the batch but "
+                f"{int(alone[0])} alone", "draw a seeded row's noise from its own generator")
     again = exponential_race(batch, make()).tolist()
-    _require([again[r] for r in (0, 2, 3, 5)] == [together[r] for r in (0, 2, 3, 5)], what,
-             "the same seeds gave different tokens")
-    _require(len({exponential_race(batch[:1], [torch.Generator().manual_seed(s)]).item()
+    require([again[r] for r in (0, 2, 3, 5)] == [together[r] for r in (0, 2, 3, 5)], what,
+            "the same seeds gave different tokens")
+    require(len({exponential_race(batch[:1], [torch.Generator().manual_seed(s)]).item()
                   for s in range(40)}) > 3, what, "40 different seeds gave (almost) one token")
     passed(what, f"{rows} seeded draws follow p within 0.03; seeded rows independent of the batch")
 
@@ -452,15 +434,15 @@ def check_engine(LLMEngine, Scheduler, Sequence, Sampler, model: str | None = No
     busy = [(f"g{i}", {"prompt_token_ids": p}, greedy) for i, p in enumerate(prompts)]
     busy.insert(3, ("s", {"prompt_token_ids": prompts[0]}, seeded))
     with mock.patch.dict(LLMEngine.add_request.__globals__, {"Sequence": Sequence}), \
-            _exercise(what):
+            exercise(what):
         final = _drain(engine, busy)
         alone = _drain(engine, [("s-alone", {"prompt_token_ids": prompts[0]}, seeded)])
-    _require(len(final) == len(busy), what, f"{len(final)} of {len(busy)} requests finished")
+    require(len(final) == len(busy), what, f"{len(final)} of {len(busy)} requests finished")
     stats = engine.stats
-    _require(stats.num_preemptions > 0, what, "the 16-block pool should have forced preemption")
-    _require(stats.max_batched_tokens <= 16 and stats.max_batch_size <= 3, what,
-             f"a step ran {stats.max_batched_tokens} tokens / {stats.max_batch_size} sequences "
-             "(budget 16 / 3)")
+    require(stats.num_preemptions > 0, what, "the 16-block pool should have forced preemption")
+    require(stats.max_batched_tokens <= 16 and stats.max_batch_size <= 3, what,
+            f"a step ran {stats.max_batched_tokens} tokens / {stats.max_batch_size} sequences "
+            "(budget 16 / 3)")
     for i, prompt in enumerate(prompts):
         assert_equal(final[f"g{i}"].outputs[0].token_ids, hf_greedy(model, prompt, 10),
                      what=f"{what}: prompt {i} ({len(prompt)} tokens) vs transformers greedy")
@@ -468,8 +450,8 @@ def check_engine(LLMEngine, Scheduler, Sequence, Sampler, model: str | None = No
                  what=f"{what}: seeded request inside the batch vs alone",
                  hint="a seeded row must draw its noise from its own generator")
     bm = engine.block_manager
-    _require(bm.num_free_blocks == engine.num_blocks and all(b.ref_count == 0 for b in bm.blocks),
-             what, f"{bm.num_free_blocks} of {engine.num_blocks} blocks free at the end")
+    require(bm.num_free_blocks == engine.num_blocks and all(b.ref_count == 0 for b in bm.blocks),
+            what, f"{bm.num_free_blocks} of {engine.num_blocks} blocks free at the end")
     passed("Exercises 3.1–3.4 together (the engine on your classes)", f"{len(prompts)} prompts equal transformers greedy "
            f"through {stats.num_preemptions} preemptions and chunked prefills; seeded sample "
            "unchanged by the batch; all blocks back")

@@ -15,29 +15,10 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
 
 import torch
 
-from .grading import assert_close, assert_equal, passed
-
-
-def _call(what: str, fn, *args, hint: str | None = None) -> Any:
-    """Call the learner's code; a stub or any other exception becomes an AssertionError."""
-    try:
-        return fn(*args)
-    except NotImplementedError as err:
-        raise AssertionError(f"{what}: not implemented yet ({err})") from None
-    except AssertionError:
-        raise
-    except Exception as err:
-        text = f"{what}: raised {type(err).__name__}: {err}"
-        raise AssertionError(text + (f"\n  hint: {hint}" if hint else "")) from err
-
-
-def _require(condition: bool, what: str, message: str, hint: str | None = None) -> None:
-    if not condition:
-        raise AssertionError(f"{what}: {message}" + (f"\n  hint: {hint}" if hint else ""))
+from .grading import assert_close, assert_equal, call_learner, passed, require
 
 
 def ragged_step(num_computed: list[int], num_new: list[int], block_size: int, seed: int,
@@ -84,20 +65,20 @@ def check_build_group(build_group) -> None:
     for members, name in (([0, 2], "decodes"), ([1, 3, 4], "prefill chunks"),
                           ([4, 1], "prefill chunks in another order"), ([2], "one decode")):
         where = f"{what}, group of {name} (sequences {members})"
-        g = _call(where, build_group, md, members, torch.device("cpu"))
+        g = call_learner(where, build_group, md, members, torch.device("cpu"))
         q_lens = [num_new[b] for b in members]
         max_q, max_blocks = max(q_lens), max(len(tables[b]) for b in members)
         num_keys = max_blocks * block_size
         for field in ("rows", "valid", "block_tables", "mask"):
-            _require(isinstance(getattr(g, field, None), torch.Tensor), where,
-                     f"group.{field} is {type(getattr(g, field, None)).__name__}, not a tensor",
-                     "return AttentionGroup(rows, valid, tables, mask)")
+            require(isinstance(getattr(g, field, None), torch.Tensor), where,
+                    f"group.{field} is {type(getattr(g, field, None)).__name__}, not a tensor",
+                    "return AttentionGroup(rows, valid, tables, mask)")
         assert_equal(tuple(g.mask.shape), (len(members), 1, max_q, num_keys),
                      what=f"{where}: mask shape (B, 1, Q, K)",
                      hint="K = (longest block table) * block_size; the 1 broadcasts over heads")
-        _require(g.mask.dtype == torch.bool, where, f"mask dtype {g.mask.dtype}, expected "
-                 "torch.bool (True = may attend)",
-                 "SDPA reads a float mask as an additive bias, a bool mask as keep/drop")
+        require(g.mask.dtype == torch.bool, where, f"mask dtype {g.mask.dtype}, expected "
+                "torch.bool (True = may attend)",
+                "SDPA reads a float mask as an additive bias, a bool mask as keep/drop")
         assert_equal(g.valid, [[i < n for i in range(max_q)] for n in q_lens],
                      what=f"{where}: valid (B, Q)", hint="query i of a row is real when i < q_len")
         starts = [md.query_start_loc[b] for b in members]
@@ -149,7 +130,7 @@ def check_gather_blocks(gather_blocks) -> None:
         cache = torch.randn(num_blocks * block_size, n_kv, dim, generator=gen)
         before = cache.clone()
         where = f"{what}, block_size={block_size}, tables {tables}"
-        got = _call(where, gather_blocks, cache, torch.tensor(tables), block_size)
+        got = call_learner(where, gather_blocks, cache, torch.tensor(tables), block_size)
         num_keys = len(tables[0]) * block_size
         expected = torch.stack([
             torch.stack([cache[t[p // block_size] * block_size + p % block_size]
@@ -158,7 +139,7 @@ def check_gather_blocks(gather_blocks) -> None:
                      rtol=0, hint="view the cache as (num_blocks, block_size, n_kv, D), index it "
                      "with the tables (B, NB) -> (B, NB, bs, n_kv, D), merge NB and bs in that "
                      "order (key p = block p // bs, offset p % bs), then put heads before keys")
-        _require(torch.equal(cache, before), where, "the cache was modified")
+        require(torch.equal(cache, before), where, "the cache was modified")
     passed(what, "equals the token-by-token slot read for block sizes 1, 4, 16 on scattered "
            "tables")
 
@@ -192,7 +173,7 @@ def check_attend_group(attend_group) -> None:
         mask = torch.rand(B, 1, Q, K, generator=gen) < 0.5
         mask[..., 0] = True  # every row sees at least one key
         where = f"{what}, B={B} Q={Q} heads={H} kv heads={n_kv} K={K}"
-        got = _call(where, attend_group, q, keys, values, mask)
+        got = call_learner(where, attend_group, q, keys, values, mask)
         assert_close(got, _manual_attention(q, keys, values, mask).float(),
                      what=f"{where}: output (B, Q, H, D)", atol=1e-5,
                      hint="query head h reads kv head h // n_rep (repeat_interleave on the head "
@@ -236,9 +217,9 @@ def check_batched_attention(BatchedAttention) -> None:
             where = f"{what}, block_size={block_size}, step {step + 1} " + (
                 "(prefill chunks)" if step == 0 else "(decodes of contexts 2..70, a chunk "
                 "after 9 cached tokens, a fresh prompt)")
-            backend = _call(f"{where}: BatchedAttention(pool, metadata)", BatchedAttention,
-                            pools[0], md)
-            got = _call(f"{where}: calling it", backend, layer, q, k.clone(), v.clone())
+            backend = call_learner(f"{where}: BatchedAttention(pool, metadata)", BatchedAttention,
+                                   pools[0], md)
+            got = call_learner(f"{where}: calling it", backend, layer, q, k.clone(), v.clone())
             want = PagedAttention(pools[1], md)(layer, q, k, v)
             assert_close(got, want, what=f"{where}: output vs the loop backend", atol=1e-5,
                          hint="run every exercise's check first; scatter each group's valid "
@@ -284,14 +265,14 @@ def check_engine_parity(BatchedAttention, model: str,
     rng = random.Random(60)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = _call(what, llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
-    _require(seen["mixed"] > 0, what, "no step mixed prefill chunks with decodes")
+    outs = call_learner(what, llm.generate, [{"prompt_token_ids": p} for p in prompts], params)
+    require(seen["mixed"] > 0, what, "no step mixed prefill chunks with decodes")
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert_equal(out.outputs[0].token_ids, hf_greedy(str(model), prompt, 8),
                      what=f"{what}: prompt {i} ({len(prompt)} tokens)")
     bm = engine.block_manager
-    _require(bm.num_free_blocks == engine.num_blocks, what,
-             f"{bm.num_free_blocks} of {engine.num_blocks} blocks free at the end")
+    require(bm.num_free_blocks == engine.num_blocks, what,
+            f"{bm.num_free_blocks} of {engine.num_blocks} blocks free at the end")
     passed(label, f"{len(prompts)} prompts of {min(lengths)}..{max(lengths)} tokens equal "
            "transformers greedy; "
            f"{seen['mixed']} of {seen['steps']} steps mixed prefill chunks with decodes")

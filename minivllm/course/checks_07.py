@@ -21,29 +21,10 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
-from .grading import assert_close, assert_equal, passed
-
-
-def _call(what: str, fn, *args, hint: str | None = None) -> Any:
-    """Call the learner's code; a stub or any other exception becomes an AssertionError."""
-    try:
-        return fn(*args)
-    except NotImplementedError as err:
-        raise AssertionError(f"{what}: not implemented yet ({err})") from None
-    except AssertionError:
-        raise
-    except Exception as err:
-        text = f"{what}: raised {type(err).__name__}: {err}"
-        raise AssertionError(text + (f"\n  hint: {hint}" if hint else "")) from err
-
-
-def _require(condition: bool, what: str, message: str, hint: str | None = None) -> None:
-    if not condition:
-        raise AssertionError(f"{what}: {message}" + (f"\n  hint: {hint}" if hint else ""))
+from .grading import assert_close, assert_equal, call_learner, passed, require
 
 
 def _scattered_tables(seq_lens: list[int], block_size: int, num_blocks: int, seed: int,
@@ -77,13 +58,13 @@ def check_decode_slots(decode_slots) -> None:
         tables = _scattered_tables(seq_lens, block_size, 64 * 16, seed=block_size, width=width,
                                    pad=999)
         positions = [n - 1 for n in seq_lens]
-        got = _call(what, decode_slots, torch.tensor(tables), torch.tensor(positions),
-                    block_size, hint=SLOTS_HINT)
-        _require(isinstance(got, torch.Tensor), what,
-                 f"expected a tensor of shape ({len(seq_lens)},), got {type(got).__name__}")
-        _require(tuple(got.shape) == (len(seq_lens),), what,
-                 f"shape {tuple(got.shape)}, expected ({len(seq_lens)},): one slot per row",
-                 SLOTS_HINT)
+        got = call_learner(what, decode_slots, torch.tensor(tables), torch.tensor(positions),
+                           block_size, hint=SLOTS_HINT)
+        require(isinstance(got, torch.Tensor), what,
+                f"expected a tensor of shape ({len(seq_lens)},), got {type(got).__name__}")
+        require(tuple(got.shape) == (len(seq_lens),), what,
+                f"shape {tuple(got.shape)}, expected ({len(seq_lens)},): one slot per row",
+                SLOTS_HINT)
         expected = [slot_of(t, p, block_size) for t, p in zip(tables, positions)]
         assert_equal(got, expected, what=f"{what}, block_size={block_size}, positions "
                      f"{positions}", hint=SLOTS_HINT)
@@ -155,30 +136,30 @@ def check_decode_attention(DecodeAttention) -> None:
         slots = torch.tensor([slot_of(t, n - 1, block_size)
                               for t, n in zip(case.tables, case.seq_lens)])
         kv = case.pool.kv
-        attn = _call(what, DecodeAttention, kv, slots, torch.tensor(case.tables),
-                     torch.tensor(case.seq_lens), block_size, hint=MASK_HINT)
+        attn = call_learner(what, DecodeAttention, kv, slots, torch.tensor(case.tables),
+                            torch.tensor(case.seq_lens), block_size, hint=MASK_HINT)
         mask = getattr(attn, "mask", None)
         rows, keys = len(case.seq_lens), len(case.tables[0]) * block_size
-        _require(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool, what,
-                 f"self.mask should be a bool tensor, got {type(mask).__name__}"
-                 + (f" of dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else ""),
-                 MASK_HINT)
-        _require(tuple(mask.shape) == (rows, 1, 1, keys), what,
-                 f"self.mask has shape {tuple(mask.shape)}, expected {(rows, 1, 1, keys)} "
-                 "(rows, heads, queries, keys)", MASK_HINT)
+        require(isinstance(mask, torch.Tensor) and mask.dtype == torch.bool, what,
+                f"self.mask should be a bool tensor, got {type(mask).__name__}"
+                + (f" of dtype {mask.dtype}" if isinstance(mask, torch.Tensor) else ""),
+                MASK_HINT)
+        require(tuple(mask.shape) == (rows, 1, 1, keys), what,
+                f"self.mask has shape {tuple(mask.shape)}, expected {(rows, 1, 1, keys)} "
+                "(rows, heads, queries, keys)", MASK_HINT)
         want = [[j < n for j in range(keys)] for n in case.seq_lens]
         assert_equal(mask.view(rows, keys).tolist(), want,
                      what=f"{what}: self.mask (rows = sequences, True = may attend), "
                           f"seq_lens {case.seq_lens}", hint=MASK_HINT)
         for layer in range(case.num_layers):
-            out = _call(what, attn, layer, case.q[layer], case.k[layer], case.v[layer],
-                        hint=MASK_HINT)
-            _require(isinstance(out, torch.Tensor) and out.shape == case.q[layer].shape, what,
-                     f"layer {layer}: expected output of shape {tuple(case.q[layer].shape)}")
-            _require(bool(out.isfinite().all()), what,
-                     f"layer {layer}: non-finite outputs in rows "
-                     f"{sorted({int(r) for r in (~out.isfinite()).nonzero()[:, 0]})} (a row "
-                     "whose keys are all masked gives NaN)", MASK_HINT)
+            out = call_learner(what, attn, layer, case.q[layer], case.k[layer], case.v[layer],
+                               hint=MASK_HINT)
+            require(isinstance(out, torch.Tensor) and out.shape == case.q[layer].shape, what,
+                    f"layer {layer}: expected output of shape {tuple(case.q[layer].shape)}")
+            require(bool(out.isfinite().all()), what,
+                    f"layer {layer}: non-finite outputs in rows "
+                    f"{sorted({int(r) for r in (~out.isfinite()).nonzero()[:, 0]})} (a row "
+                    "whose keys are all masked gives NaN)", MASK_HINT)
             assert_close(out[:case.real], expected[layer], atol=1e-5, rtol=1e-4,
                          what=f"{what}: layer {layer} output of the real rows vs the loop "
                               f"backend (block_size {block_size})", hint=MASK_HINT)
@@ -225,16 +206,16 @@ def check_bucket_padding(CompiledDecoder, DecodeInputs) -> None:
             tables = _scattered_tables(seq_lens, block_size, scratch, seed=len(seq_lens))
             ids = [100 + i for i in range(len(seq_lens))]
             where = f"{len(seq_lens)} row(s), on_cuda={on_cuda}"
-            out = _call(what, decoder.logits, DecodeInputs(ids, list(seq_lens), tables),
-                        hint=PAD_HINT)
-            _require("tables" in seen, what, f"{where}: self._logits was never called", PAD_HINT)
+            out = call_learner(what, decoder.logits, DecodeInputs(ids, list(seq_lens), tables),
+                               hint=PAD_HINT)
+            require("tables" in seen, what, f"{where}: self._logits was never called", PAD_HINT)
             rows = _bucket(len(seq_lens), on_cuda, 2 if on_cuda else 1)  # CPU: 1 stays 1
             width = _bucket(max(map(len, tables)), on_cuda)
             for name in ("input_ids", "seq_lens", "tables"):
                 t = seen[name]
-                _require(isinstance(t, torch.Tensor) and t.dtype == torch.long, what,
-                         f"{where}: {name} should be an int64 tensor, got "
-                         f"{getattr(t, 'dtype', type(t).__name__)}", PAD_HINT)
+                require(isinstance(t, torch.Tensor) and t.dtype == torch.long, what,
+                        f"{where}: {name} should be an int64 tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}", PAD_HINT)
             want_tables = [t + [scratch] * (width - len(t)) for t in tables]
             want_tables += [[scratch] * width] * (rows - len(seq_lens))
             assert_equal(seen["tables"], want_tables,
@@ -246,11 +227,11 @@ def check_bucket_padding(CompiledDecoder, DecodeInputs) -> None:
                          hint=PAD_HINT)
             assert_equal(seen["input_ids"][:len(ids)], ids,
                          what=f"{what}: input_ids of the real rows ({where})", hint=PAD_HINT)
-            _require(seen["bs"] == block_size, what, f"{where}: block_size {seen['bs']!r} "
-                     f"passed, expected {block_size}")
-            _require(isinstance(out, torch.Tensor) and out.shape[0] == len(seq_lens), what,
-                     f"{where}: returned {tuple(getattr(out, 'shape', ()))} rows of logits, "
-                     f"expected the {len(seq_lens)} real rows only", PAD_HINT)
+            require(seen["bs"] == block_size, what, f"{where}: block_size {seen['bs']!r} "
+                    f"passed, expected {block_size}")
+            require(isinstance(out, torch.Tensor) and out.shape[0] == len(seq_lens), what,
+                    f"{where}: returned {tuple(getattr(out, 'shape', ()))} rows of logits, "
+                    f"expected the {len(seq_lens)} real rows only", PAD_HINT)
             assert_equal(out[:, 2], list(range(len(seq_lens))),
                          what=f"{what}: which padded rows were returned ({where})",
                          hint=PAD_HINT)
@@ -304,15 +285,15 @@ def check_sample_logits(sample_logits) -> None:
             seeds = [1000 * trial + row for row in range(len(params))]
             noise = exponential_noise(len(params), vocab, _generators(seeds))
             expected = Sampler()(logits.clone(), params, _generators(seeds)).token_ids
-            got = _call(what, sample_logits, logits.clone(),
-                        _column(params, "temperature", torch.float32),
-                        _column(params, "top_k", torch.long),
-                        _column(params, "top_p", torch.float32),
-                        _column(params, "min_p", torch.float32), noise.clone(), use_filters,
-                        hint=SAMPLE_HINT)
-            _require(isinstance(got, torch.Tensor) and got.shape == (len(params),), what,
-                     f"expected ({len(params)},) token ids, got "
-                     f"{tuple(getattr(got, 'shape', ())) or type(got).__name__}", SAMPLE_HINT)
+            got = call_learner(what, sample_logits, logits.clone(),
+                               _column(params, "temperature", torch.float32),
+                               _column(params, "top_k", torch.long),
+                               _column(params, "top_p", torch.float32),
+                               _column(params, "min_p", torch.float32), noise.clone(), use_filters,
+                               hint=SAMPLE_HINT)
+            require(isinstance(got, torch.Tensor) and got.shape == (len(params),), what,
+                    f"expected ({len(params)},) token ids, got "
+                    f"{tuple(getattr(got, 'shape', ())) or type(got).__name__}", SAMPLE_HINT)
             detail = ", ".join(f"row {r}: T={p.temperature} k={p.top_k} p={p.top_p} "
                                f"min_p={p.min_p}" for r, p in enumerate(params))
             assert_equal(got, expected, what=f"{what}: {name}, trial {trial} ({detail})",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,34 @@ def _fail(what: str, message: str, hint: str | None) -> AssertionError:
     if hint:
         text += f"\n  hint: {hint}"
     return AssertionError(text)
+
+
+def require(condition: bool, what: str, message: str, hint: str | None = None) -> None:
+    """Fail the check with ``what: message`` (and a hint) unless ``condition`` holds."""
+    if not condition:
+        raise _fail(what, message, hint)
+
+
+@contextmanager
+def exercise(what: str) -> Iterator[None]:
+    """Turn a stub's NotImplementedError inside the block into the grader's AssertionError."""
+    try:
+        yield
+    except NotImplementedError as err:
+        raise AssertionError(f"{what}: not implemented yet ({err})") from None
+
+
+def call_learner(what: str, fn: Callable, *args, hint: str | None = None) -> Any:
+    """Call the learner's code: a stub, or any other exception it raises, becomes the grader's
+    AssertionError (a check's own AssertionError passes through)."""
+    try:
+        return fn(*args)
+    except NotImplementedError as err:
+        raise AssertionError(f"{what}: not implemented yet ({err})") from None
+    except AssertionError:
+        raise
+    except Exception as err:
+        raise _fail(what, f"raised {type(err).__name__}: {err}", hint) from err
 
 
 def assert_close(actual: Any, expected: Any, *, what: str, atol: float = 1e-5,
