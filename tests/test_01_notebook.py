@@ -10,48 +10,28 @@ refactor that removes it fails here loudly instead of testing nothing).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import load_module as _load
+from notebook_helpers import export_learner, mutate
 
 import minivllm.model as ref
 from minivllm.course import checks_01 as checks
-from minivllm.course import export_notebook
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_forward_pass.ipynb"
-
-
 
 
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """The stubbed modules a learner starts from, exported from the learner's notebook."""
-    out = tmp_path_factory.mktemp("nb01")
-    export_notebook(NOTEBOOK, out_dir=out, echo=lambda _: None)
-    return {name: _load(out / f"{name}.py", f"nb01_learner_{name}")
-            for name in ("config", "tokenizer", "model")}
-
-
-_count = iter(range(10_000))
+    names = ["config", "tokenizer", "model"]
+    return export_learner(NOTEBOOK, tmp_path_factory.mktemp("nb01"), names, "nb01")
 
 
 def mutant(*edits: tuple[str, str]):
     """minivllm.model re-imported from its source with each (old, new) replacement applied."""
-    source = Path(ref.__file__).read_text()
-    for old, new in edits:
-        assert old in source, f"mutation target {old!r} is no longer in minivllm.model"
-        source = source.replace(old, new)
-    path = Path(ref.__file__).with_name(f"_mutant_{next(_count)}.py")
-    name = f"nb01_mutant_{path.stem}"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__file__ = str(path)
-    sys.modules[name] = module
-    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (a mutant)
-    return module
+    return mutate(ref, *edits)
 
 
 @pytest.fixture(scope="module")

@@ -9,49 +9,25 @@ so a refactor that removes it fails here loudly instead of testing nothing).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-from notebook_helpers import load_module as _load
+from notebook_helpers import export_learner
+from notebook_helpers import mutate as mutant
 
 import minivllm.sampling as ref_sampling
 import minivllm.scheduler as ref_scheduler
 from minivllm.course import checks_03 as checks
-from minivllm.course import export_notebook
 from minivllm.engine import LLMEngine
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_continuous_batching.ipynb"
 
 
-
-
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """The stubbed modules a learner starts from, exported from the learner's notebook."""
-    out = tmp_path_factory.mktemp("nb03")
-    export_notebook(NOTEBOOK, out_dir=out, echo=lambda _: None)
-    return {name: _load(out / f"{name}.py", f"nb03_learner_{name}")
-            for name in ("scheduler", "sampling", "engine")}
-
-
-_count = iter(range(10_000))
-
-
-def mutant(module, *edits: tuple[str, str]):
-    """The module re-imported from its source with each (old, new) replacement applied."""
-    source = Path(module.__file__).read_text()
-    for old, new in edits:
-        assert old in source, f"mutation target {old!r} is no longer in {module.__name__}"
-        source = source.replace(old, new)
-    path = Path(module.__file__).with_name(f"_mutant_{next(_count)}.py")
-    name = f"nb03_mutant_{path.stem}"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__file__ = str(path)
-    sys.modules[name] = module
-    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (a mutant)
-    return module
+    names = ["scheduler", "sampling", "engine"]
+    return export_learner(NOTEBOOK, tmp_path_factory.mktemp("nb03"), names, "nb03")
 
 
 def _graders(sch, smp):

@@ -4,11 +4,10 @@ like. Small pools and batches: each layout compiles once (a few seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
+from notebook_helpers import load_module
 
 from minivllm.attention import attend_group, gather_blocks
 
@@ -17,11 +16,7 @@ H, NKV, D, BS, NUM_BLOCKS, MAX_ROWS = 14, 2, 64, 16, 96, 8
 
 
 def _flex_paged():
-    spec = importlib.util.spec_from_file_location("flex_paged", EXPERIMENT / "flex_paged.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["flex_paged"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_module(EXPERIMENT / "flex_paged.py", "flex_paged")
 
 
 def _reference(q, keys_cache, values_cache, tables, seq_lens):

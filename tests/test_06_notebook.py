@@ -9,47 +9,28 @@ refactor that removes it fails here loudly instead of testing nothing).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import load_module as _load
+from notebook_helpers import export_learner, mutate
 
 import minivllm.attention as ref
 from minivllm.course import checks_06 as checks
-from minivllm.course import export_notebook
 from minivllm.kv_cache import AttentionMetadata
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "06_batched_attention.ipynb"
 
 
-
-
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """The stubbed module a learner starts from, exported from the learner's notebook."""
-    out = tmp_path_factory.mktemp("nb06")
-    export_notebook(NOTEBOOK, out_dir=out, echo=lambda _: None)
-    return _load(out / "attention.py", "nb06_learner_attention")
-
-
-_count = iter(range(10_000))
+    return export_learner(NOTEBOOK, tmp_path_factory.mktemp("nb06"), ["attention"], "nb06")["attention"]
 
 
 def mutant(*edits: tuple[str, str]):
     """minivllm.attention re-imported from its source with each (old, new) replacement."""
-    source = Path(ref.__file__).read_text()
-    for old, new in edits:
-        assert old in source, f"mutation target {old!r} is no longer in minivllm/attention.py"
-        source = source.replace(old, new)
-    name = f"nb06_mutant_{next(_count)}"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__file__ = str(Path(ref.__file__).with_name(f"_{name}.py"))
-    sys.modules[name] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 (a mutant)
-    return module
+    return mutate(ref, *edits)
 
 
 def _graders(m):

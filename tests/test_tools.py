@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from notebook_helpers import load_module
 
 from minivllm.config import ModelConfig
 from tests.checkpoints import QWEN25_05B
@@ -14,10 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _roofline_module():
-    spec = importlib.util.spec_from_file_location("roofline", REPO / "tools" / "roofline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(REPO / "tools" / "roofline.py", "roofline")
 
 
 def test_workload_flops_charge_the_prompt_to_the_output_tokens():
