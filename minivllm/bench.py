@@ -18,7 +18,9 @@ workload, concurrency) to ``bench/results/*.jsonl``:
 Every HTTP engine is measured by the same streaming client as ``vllm bench serve`` would
 measure it. Each result records the environment (device, dtype, versions, model shape, git
 commit, engine options) and the machine's *other* load, because a benchmark on a shared
-CPU measures the neighbours as much as the engine.
+CPU measures the neighbours as much as the engine; with ``--roofline`` also the machine's
+matmul rate just before and after the level, and the result as a fraction of the roofline
+that rate gives (``bench_roofline``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from minivllm.bench_metrics import (
     make_workload,
     summarize,
 )
+from minivllm.bench_roofline import RooflineProbe
 
 ENGINES = ("minivllm", "minivllm-server", "transformers", "openai", "vllm")
 
@@ -85,6 +88,7 @@ class BenchOptions:
     warmup: bool = True
     repeat: int = 1  # run the whole engine list this many times, interleaved
     baseline: str | None = None  # engine label the table divides by (default transformers)
+    roofline: bool = False  # measure the matmul roofline before and after every level
 
 
 @dataclasses.dataclass
@@ -231,6 +235,25 @@ def run_level(session: Session, requests: list[BenchRequest], concurrency: int, 
             "peak_memory_kind": session.memory_kind, "load": mon.load(), "errors": errors}
 
 
+def roofline_probe(name: str, opts: BenchOptions, device: str) -> RooflineProbe | None:
+    """With ``--roofline``: a probe of this machine's matmul rate for the checkpoint, or None
+    (with the reason) where the engine runs elsewhere or the checkpoint is not on disk."""
+    from minivllm.config import ModelConfig, resolve_dtype, resolve_model_path
+
+    if not opts.roofline:
+        return None
+    if name == "openai":
+        print("no roofline for the openai engine: its server may run on another machine")
+        return None
+    try:
+        path = resolve_model_path(opts.model)
+        dtype = resolve_dtype(opts.dtype, device, ModelConfig.from_pretrained(path).torch_dtype)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        print(f"no roofline: {e}")
+        return None
+    return RooflineProbe(path, dtype, device)
+
+
 def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
                  root_pid: int | None = None, repeat: int = 0) -> None:
     """Start one engine, warm it up, run every level (and the ramp), ``emit`` each record.
@@ -248,6 +271,7 @@ def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
             return
         env = environment(opts.model, str(resolve_device(opts.device)), opts.dtype)
         env |= session.info
+        probe = roofline_probe(name, opts, env["device"])
         common = {"schema": 1, "label": opts.label, "engine": name, "variant": variant,
                   "repeat": repeat, "input_len": opts.input_len, "output_len": opts.output_len,
                   "range_ratio": opts.range_ratio, "seed": opts.seed}
@@ -258,10 +282,17 @@ def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
                                      seed=opts.seed, vocab_size=vocab,
                                      range_ratio=opts.range_ratio, salt=salt)
             desc = f"{spec} {kind} c={concurrency}" + (" ramp" if ramp else "")
+            shapes = [(len(r.prompt_token_ids), r.output_len) for r in requests]
+            if probe:  # the machine's matmul rate just before the level ...
+                rows = probe.rows(shapes, concurrency)
+                before = probe.measure(rows)
             record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       **common, "workload": kind, "concurrency": concurrency, "ramp": ramp,
                       "num_requests": num_requests,
                       **run_level(session, requests, concurrency, desc, root_pid), "env": env}
+            if probe:  # ... and just after it
+                record["roofline"] = probe.record(shapes, rows, before, probe.measure(rows),
+                                                  record["output_throughput"])
             emit(record)
             return record
 
@@ -366,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                    "the ratios pair runs of the same repeat")
     p.add_argument("--baseline", help="engine label the ratios divide by (default "
                    "transformers), e.g. 'minivllm[compile=False]'")
+    p.add_argument("--roofline", action="store_true", help="measure this machine's matmul "
+                   "rate at the level's shapes before and after every level, and report each "
+                   "result as a fraction of the workload's roofline (bench_roofline)")
     a = p.parse_args(argv)
     engines, workloads = split_engine_specs(a.engines), _csv(a.workloads)
     for engine in engines:
@@ -383,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                         a.output_len, a.range_ratio, a.seed, a.dtype, a.device, options,
                         a.base_url, a.label, a.ramp, a.ramp_step, a.ramp_cap,
                         not a.no_isolate, a.request_timeout, not a.no_warmup, a.repeat,
-                        a.baseline)
+                        a.baseline, a.roofline)
     return opts, a.out or default_results_path(a.device)
 
 

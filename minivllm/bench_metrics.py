@@ -252,4 +252,18 @@ def format_table(records: list[dict], baseline: str = "transformers") -> str:
                           f"c={r['concurrency']}: {ratio[0]:.2f}x{spread}")
     if any(r.get("load", {}).get("busy") for r in records):
         lines.append("! = other processes used CPU during this run: the numbers are not valid")
-    return "\n".join(lines + ratios)
+    return "\n".join(lines + ratios + [roofline_line(r) for r in medians if "roofline" in r])
+
+
+def roofline_line(record: dict) -> str:
+    """``minivllm fixed c=32: 78-88% of the workload roofline (...)``: the fraction against the
+    matmul rate measured just after and just before the level (``--roofline``)."""
+    roof = record["roofline"]
+    low, high = roof.get("fraction") or (None, None)
+    share = f"{100 * low:.0f}-{100 * high:.0f}%" if low is not None else "-"
+    rates = ", ".join(f"{k} {roof['gflops_before'][k]:.1f}->{roof['gflops_after'][k]:.1f}"
+                      for k in ("prefill", "decode"))
+    return (f"{engine_label(record)} {record['workload']} c={record['concurrency']}: {share} of "
+            f"the workload roofline ({roof['tokens_per_s'][0]:.1f}-{roof['tokens_per_s'][1]:.1f} "
+            f"tok/s; matmul GFLOP/s before->after: {rates}; "
+            f"{roof['gflop_per_output_token']:.3f} GFLOP per output token)")

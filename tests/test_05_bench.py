@@ -269,13 +269,21 @@ def test_cli_isolated_run_prints_table(tiny_model, tmp_path):
         [sys.executable, "-m", "minivllm.bench", "--model", str(tiny_model), "--engines",
          "minivllm", "--workloads", "fixed", "--concurrency", "2", "--num-requests", "2",
          "--input-len", "8", "--output-len", "4", "--label", "cli", "--out", str(out),
-         "--engine-option", "compile=false"],
+         "--engine-option", "compile=false", "--roofline"],
         check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "out tok/s" in proc.stdout and f"appended 1 record(s) to {out}" in proc.stdout
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["label"] == "cli" and record["completed"] == 2
     assert record["peak_memory_bytes"] > 0 and not math.isnan(record["output_throughput"])
+    # --roofline: the machine's matmul rate before and after, the result as a fraction of it
+    roof = record["roofline"]
+    assert roof["rows"] == {"decode": 2, "prefill": 8}
+    assert all(roof[k][p] > 0 for k in ("gflops_before", "gflops_after") for p in roof["rows"])
+    low, high = roof["fraction"]
+    assert 0 < low <= high and roof["tokens_per_s"][0] <= roof["tokens_per_s"][1]
+    assert high == pytest.approx(record["output_throughput"] / roof["tokens_per_s"][0], rel=1e-3)
+    assert "of the workload roofline" in proc.stdout
 
 
 def test_main_without_runnable_engine_fails(capsys):

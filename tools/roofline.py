@@ -1,21 +1,20 @@
 """This machine's compute roofline for decoding a model: the best tokens/s its matmuls allow.
 
-Times every linear layer of one decode step at the decode shape (``batch`` rows, the model's
-real weight shapes and dtype), sums their FLOPs and time, and reports
+The measurement itself lives in ``minivllm/bench_roofline.py`` (notebook 05), where
+``python -m minivllm.bench --roofline`` takes it before and after every benchmark level.
+This tool prints it on its own, with a per-layer breakdown:
 
-    sustained matmul rate  = FLOPs of one step / time of its matmuls alone
+    sustained matmul rate  = FLOPs of one decode step's matmuls / their time, streamed
+                             (every linear layer in model order, weights from memory)
     FLOPs per token        = 2 × (parameters touched per token) (+ attention, negligible here)
     roofline tokens/s      = sustained rate / FLOPs per token
 
-so that a benchmark's output tokens/s at that concurrency can be quoted as a fraction of it.
+and, per layer shape, the rate of that matmul repeated back to back (``hot_gflops_by_layer``:
+its weights then sit in the caches, an upper bound a real step cannot reach).
 
-That is the roofline of *decode steps*. A benchmark's output throughput also pays for every
-prompt: with ``--input-len I --output-len O`` it reports the roofline **for the workload**,
-where each request runs I + O - 1 tokens through the layers (the prompt, then every output
-token but the last), O through the ``lm_head`` and attention over the growing context, all
-charged at the same sustained rate, divided by the O output tokens it delivers:
-
-    workload roofline tokens/s = sustained rate / (workload FLOPs per request / O)
+With ``--input-len I --output-len O`` it also reports the roofline **for the workload**: each
+request runs its prompt through the layers (charged at the rate for I rows, a prefill) and
+every further token through the layers and the ``lm_head`` (charged at the decode rate).
 
 Run it alone on a quiet machine, like the benchmark.
 
@@ -27,29 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
 
+from minivllm.bench_roofline import linear_shapes, matmul_rate, request_flops, workload_roofline
 from minivllm.config import ModelConfig, resolve_model_path
 
 
-def linear_shapes(mc: ModelConfig) -> list[tuple[str, int, int, int]]:
-    """(name, out_features, in_features, count) of every matmul in one decode step."""
-    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
-    layers = mc.num_hidden_layers
-    return [
-        ("q_proj", q, mc.hidden_size, layers), ("k_proj", kv, mc.hidden_size, layers),
-        ("v_proj", kv, mc.hidden_size, layers), ("o_proj", mc.hidden_size, q, layers),
-        ("gate_proj", mc.intermediate_size, mc.hidden_size, layers),
-        ("up_proj", mc.intermediate_size, mc.hidden_size, layers),
-        ("down_proj", mc.hidden_size, mc.intermediate_size, layers),
-        ("lm_head", mc.vocab_size, mc.hidden_size, 1),
-    ]
-
-
 def time_linear(rows: int, out_f: int, in_f: int, dtype: torch.dtype, repeats: int) -> float:
-    """Median seconds of one ``rows × in_f @ in_f × out_f`` matmul."""
+    """Median seconds of one ``rows × in_f @ in_f × out_f`` matmul, repeated on one weight."""
     x, w = torch.randn(rows, in_f, dtype=dtype), torch.randn(out_f, in_f, dtype=dtype)
     for _ in range(3):
         torch.nn.functional.linear(x, w)
@@ -58,52 +45,33 @@ def time_linear(rows: int, out_f: int, in_f: int, dtype: torch.dtype, repeats: i
         start = time.perf_counter()
         torch.nn.functional.linear(x, w)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
-def workload_flops_per_output_token(mc: ModelConfig, input_len: int, output_len: int) -> float:
-    """FLOPs a request of ``input_len`` prompt and ``output_len`` output tokens costs, per
-    output token: linear layers for the I + O - 1 tokens that go through the model, the
-    lm_head for the O positions that are sampled, attention (QK^T and PV, 4 * context * H * D
-    per layer) for every token over its context."""
-    shapes = linear_shapes(mc)
-    layer_flops = sum(2.0 * out_f * in_f * count for name, out_f, in_f, count in shapes
-                      if name != "lm_head")
-    lm_head_flops = 2.0 * mc.vocab_size * mc.hidden_size
-    through = input_len + output_len - 1
-    attention_per_key = 4.0 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers
-    contexts = through * (through + 1) / 2  # token p attends to p + 1 keys
-    total = through * layer_flops + output_len * lm_head_flops + contexts * attention_per_key
-    return total / output_len
-
-
+@torch.inference_mode()
 def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
              input_len: int | None = None, output_len: int | None = None) -> dict:
     mc = ModelConfig.from_pretrained(resolve_model_path(model))
-    step_seconds = step_flops = 0.0
-    per_layer = {}
-    for name, out_f, in_f, count in linear_shapes(mc):
-        seconds = time_linear(batch, out_f, in_f, dtype, repeats)
-        flops = 2.0 * batch * out_f * in_f
-        per_layer[name] = round(flops / seconds / 1e9, 1)
-        step_seconds += count * seconds
-        step_flops += count * flops
-    rate = step_flops / step_seconds
+    hot = {name: round(2.0 * batch * out_f * in_f / time_linear(batch, out_f, in_f, dtype,
+                                                               repeats) / 1e9, 1)
+           for name, out_f, in_f, _ in linear_shapes(mc)}
+    rate = matmul_rate(mc, batch, dtype, repeats=max(3, repeats // 3))
+    step_flops = sum(2.0 * batch * out_f * in_f * count for _, out_f, in_f, count in linear_shapes(mc))
     flops_per_token = step_flops / batch
-    return {"model": model, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
-            "threads": torch.get_num_threads(), "sustained_gflops": round(rate / 1e9, 2),
-            "gflop_per_token": round(flops_per_token / 1e9, 4),
-            "roofline_tokens_per_s": round(rate / flops_per_token, 2),
-            "gflops_by_layer": per_layer} | _workload(mc, rate, input_len, output_len)
-
-
-def _workload(mc: ModelConfig, rate: float, input_len: int | None, output_len: int | None) -> dict:
-    if not (input_len and output_len):
-        return {}
-    per_token = workload_flops_per_output_token(mc, input_len, output_len)
-    return {"input_len": input_len, "output_len": output_len,
-            "workload_gflop_per_output_token": round(per_token / 1e9, 4),
-            "workload_roofline_tokens_per_s": round(rate / per_token, 2)}
+    result = {"model": model, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+              "threads": torch.get_num_threads(), "sustained_gflops": round(rate / 1e9, 2),
+              "gflop_per_token": round(flops_per_token / 1e9, 4),
+              "roofline_tokens_per_s": round(rate / flops_per_token, 2),
+              "hot_gflops_by_layer": hot}
+    if input_len and output_len:
+        prefill_rate = rate if input_len == batch else matmul_rate(mc, input_len, dtype)
+        per_token = sum(request_flops(mc, input_len, output_len)) / output_len
+        result |= {"input_len": input_len, "output_len": output_len,
+                   "prefill_gflops": round(prefill_rate / 1e9, 2),
+                   "workload_gflop_per_output_token": round(per_token / 1e9, 4),
+                   "workload_roofline_tokens_per_s": round(workload_roofline(
+                       [(input_len, output_len)], prefill_rate, rate, mc), 2)}
+    return result
 
 
 def main() -> None:
