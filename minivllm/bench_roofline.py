@@ -14,8 +14,12 @@ alone on a machine whose speed drifts. Both halves are measured, not looked up:
 
 * ``matmul_rate`` runs the model's own linear layers — its real shapes and dtype, in their
   order, with weights too many for the caches, so they stream from memory as in a real step
-  — at a given number of rows and times the pass. A decode step at concurrency c is c rows;
-  a prefill is as many rows as prompt tokens.
+  — at a given number of rows and times the pass. A decode step at concurrency c is c rows.
+  A prefill is as many rows as the prompt tokens an engine can batch into one step: all the
+  prompts in flight, up to ``PREFILL_ROWS_CAP`` (the engine's default step budget). Big
+  matmuls run several times faster per FLOP than decode-sized ones (on the 2-core CPU of
+  this project: ~155 GFLOP/s at 1024 rows against ~60 at 32), so charging prompts at the
+  decode rate would understate the ceiling.
 * ``request_flops`` counts one request: the linear layers for every token that goes
   through the model (the prompt, then every output token but the last), the ``lm_head`` for
   every sampled position and attention (QKᵀ and PV) over each token's context.
@@ -38,6 +42,8 @@ import torch
 from minivllm.config import ModelConfig
 
 STREAM_BYTES = 256 * 2**20  # per weight shape: far beyond any CPU cache, so weights stream
+PASS_FLOPS = 4e10  # a timed pass covers as many layers as fit in this (all, for decode shapes)
+PREFILL_ROWS_CAP = 2048  # EngineConfig.max_num_batched_tokens' default: one step's tokens
 
 
 def linear_shapes(mc: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -77,14 +83,20 @@ def request_flops(mc: ModelConfig, prompt_len: int, output_len: int) -> tuple[fl
     return prefill, decode
 
 
-def _streamed_weights(mc: ModelConfig, dtype: torch.dtype, device: torch.device
-                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+def _streamed_weights(mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      layers: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One flat buffer (a single allocation, handed back to the OS when freed, so it cannot
     inflate an engine's measured memory) and, for one step in model order, the weight view
-    each matmul uses: up to ``STREAM_BYTES`` of distinct copies per shape, cycled."""
+    each matmul uses: up to ``STREAM_BYTES`` of distinct copies per shape, cycled. With
+    ``layers`` below the model's, the pass covers that many layers and no ``lm_head``."""
+    layers = mc.num_hidden_layers if layers is None else min(layers, mc.num_hidden_layers)
+    shapes = linear_shapes(mc)
+    if layers < mc.num_hidden_layers:
+        shapes = shapes[:7]
     itemsize = torch.empty((), dtype=dtype).element_size()
     plan = []  # (out_f, in_f, copies, count)
-    for _, out_f, in_f, count in linear_shapes(mc):
+    for _, out_f, in_f, count in shapes:
+        count = min(count, layers)
         copies = max(1, min(count, STREAM_BYTES // (out_f * in_f * itemsize)))
         plan.append((out_f, in_f, copies, count))
     flat = torch.empty(sum(o * i * c for o, i, c, _ in plan), dtype=dtype, device=device)
@@ -95,18 +107,23 @@ def _streamed_weights(mc: ModelConfig, dtype: torch.dtype, device: torch.device
         views.append([flat[offset + k * size: offset + (k + 1) * size].view(out_f, in_f)
                       for k in range(copies)])
         offset += size * copies
-    layers = mc.num_hidden_layers
     order = [views[s][layer % len(views[s])] for layer in range(layers) for s in range(7)]
-    return flat, [*order, views[7][0]]
+    if len(views) == 8:  # the whole model: the lm_head ends the step
+        order.append(views[7][0])
+    return flat, order
 
 
 @torch.inference_mode()
 def matmul_rate(mc: ModelConfig, rows: int, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", repeats: int = 3) -> float:
     """Sustained FLOP/s of one step's matmuls at ``rows`` rows: the median of ``repeats``
-    timed passes through every linear layer of the model, in order, weights streaming."""
+    timed passes through every linear layer of the model, in order, weights streaming. For
+    prefill-sized ``rows`` a pass covers only as many layers as ``PASS_FLOPS`` allows (the
+    matmuls are then compute-bound and every layer runs alike), so it stays ~1 s."""
     device = torch.device(device)
-    _buffer, weights = _streamed_weights(mc, dtype, device)  # the views keep it alive
+    layer_params = sum(o * i for name, o, i, _ in linear_shapes(mc) if name != "lm_head")
+    layers = max(1, int(PASS_FLOPS // (2.0 * rows * layer_params)))
+    _buffer, weights = _streamed_weights(mc, dtype, device, layers)  # the views keep it alive
     inputs = {w.shape[1]: torch.full((rows, w.shape[1]), 0.01, dtype=dtype, device=device)
               for w in weights}
     flops = sum(2.0 * rows * w.numel() for w in weights)
@@ -149,9 +166,10 @@ class RooflineProbe:
         self.dtype, self.device = dtype, device
 
     def rows(self, requests: list[tuple[int, int]], concurrency: int) -> dict[str, int]:
-        """The decode shape is the concurrency; the prefill shape the mean prompt length."""
-        mean_prompt = round(statistics.fmean(p for p, _ in requests))
-        return {"decode": max(1, concurrency), "prefill": max(1, mean_prompt)}
+        """The decode shape is the concurrency; the prefill shape the prompt tokens of all
+        the requests in flight (``concurrency`` × the mean prompt), up to one engine step."""
+        prompts = round(statistics.fmean(p for p, _ in requests) * min(concurrency, len(requests)))
+        return {"decode": max(1, concurrency), "prefill": max(1, min(prompts, PREFILL_ROWS_CAP))}
 
     def measure(self, rows: dict[str, int]) -> dict[str, float]:
         """GFLOP/s at each shape (one measurement when both shapes are the same)."""

@@ -278,7 +278,7 @@ def test_cli_isolated_run_prints_table(tiny_model, tmp_path):
     assert record["peak_memory_bytes"] > 0 and not math.isnan(record["output_throughput"])
     # --roofline: the machine's matmul rate before and after, the result as a fraction of it
     roof = record["roofline"]
-    assert roof["rows"] == {"decode": 2, "prefill": 8}
+    assert roof["rows"] == {"decode": 2, "prefill": 16}  # both 8-token prompts in one step
     assert all(roof[k][p] > 0 for k in ("gflops_before", "gflops_after") for p in roof["rows"])
     low, high = roof["fraction"]
     assert 0 < low <= high and roof["tokens_per_s"][0] <= roof["tokens_per_s"][1]

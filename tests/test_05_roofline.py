@@ -77,19 +77,25 @@ def test_streamed_weights_follow_the_model_and_stay_bounded(monkeypatch):
     gates = [w.data_ptr() for w in order[4:21:7]]
     assert gates[0] == gates[2] != gates[1]
     assert flat.numel() * 4 <= 8 * 2 * gate_bytes + 1000 * mc.hidden_size * 4
+    # a pass over fewer layers than the model's (prefill shapes) has no lm_head
+    _, order = _streamed_weights(mc, torch.float32, torch.device("cpu"), layers=1)
+    assert [tuple(w.shape) for w in order] == expected[:7]
 
 
-def test_matmul_rate_on_the_tiny_model(tiny_model):
+def test_matmul_rate_on_the_tiny_model(tiny_model, monkeypatch):
     mc = ModelConfig.from_pretrained(tiny_model)
     one, many = matmul_rate(mc, 1), matmul_rate(mc, 16)
     assert math.isfinite(one) and math.isfinite(many) and 0 < one < many < 1e13
     # more rows per weight byte: a 16-row matmul does 16x the work for the same weights
+    monkeypatch.setattr("minivllm.bench_roofline.PASS_FLOPS", 1.0)  # one layer per pass
+    assert 0 < matmul_rate(mc, 64) < 1e13
 
 
 def test_probe_record_gives_the_fraction_against_both_rates(tiny_model):
     probe = RooflineProbe(tiny_model, torch.float32, "cpu")
     requests = [(8, 4), (12, 6)]
-    assert probe.rows(requests, 2) == {"decode": 2, "prefill": 10}
+    assert probe.rows(requests, 2) == {"decode": 2, "prefill": 20}  # both prompts in one step
+    assert probe.rows(requests * 200, 400)["prefill"] == 2048  # at most one step's tokens
     before, after = {"prefill": 20.0, "decode": 5.0}, {"prefill": 10.0, "decode": 4.0}
     entry = probe.record(requests, {"decode": 2, "prefill": 10}, before, after, 100.0)
     slow = workload_roofline(requests, 10e9, 4e9, probe.mc)

@@ -13,8 +13,9 @@ and, per layer shape, the rate of that matmul repeated back to back (``hot_gflop
 its weights then sit in the caches, an upper bound a real step cannot reach).
 
 With ``--input-len I --output-len O`` it also reports the roofline **for the workload**: each
-request runs its prompt through the layers (charged at the rate for I rows, a prefill) and
-every further token through the layers and the ``lm_head`` (charged at the decode rate).
+request runs its prompt through the layers (charged at the rate of a prefill of every prompt
+in flight, batch × I rows up to one engine step) and every further token through the layers
+and the ``lm_head`` (charged at the decode rate).
 
 Run it alone on a quiet machine, like the benchmark.
 
@@ -31,7 +32,13 @@ import time
 
 import torch
 
-from minivllm.bench_roofline import linear_shapes, matmul_rate, request_flops, workload_roofline
+from minivllm.bench_roofline import (
+    PREFILL_ROWS_CAP,
+    linear_shapes,
+    matmul_rate,
+    request_flops,
+    workload_roofline,
+)
 from minivllm.config import ModelConfig, resolve_model_path
 
 
@@ -64,10 +71,11 @@ def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
               "roofline_tokens_per_s": round(rate / flops_per_token, 2),
               "hot_gflops_by_layer": hot}
     if input_len and output_len:
-        prefill_rate = rate if input_len == batch else matmul_rate(mc, input_len, dtype)
+        prefill_rows = min(batch * input_len, PREFILL_ROWS_CAP)  # every prompt in flight
+        prefill_rate = matmul_rate(mc, prefill_rows, dtype)
         per_token = sum(request_flops(mc, input_len, output_len)) / output_len
         result |= {"input_len": input_len, "output_len": output_len,
-                   "prefill_gflops": round(prefill_rate / 1e9, 2),
+                   "prefill_rows": prefill_rows, "prefill_gflops": round(prefill_rate / 1e9, 2),
                    "workload_gflop_per_output_token": round(per_token / 1e9, 4),
                    "workload_roofline_tokens_per_s": round(workload_roofline(
                        [(input_len, output_len)], prefill_rate, rate, mc), 2)}
