@@ -252,15 +252,34 @@ def format_table(records: list[dict], baseline: str = "transformers") -> str:
                           f"c={r['concurrency']}: {ratio[0]:.2f}x{spread}")
     if any(r.get("load", {}).get("busy") for r in records):
         lines.append("! = other processes used CPU during this run: the numbers are not valid")
-    return "\n".join(lines + ratios + [roofline_line(r) for r in medians if "roofline" in r])
+    return "\n".join(lines + ratios + [roofline_line(r, records) for r in medians
+                                        if "roofline" in r])
 
 
-def roofline_line(record: dict) -> str:
-    """``minivllm fixed c=32: 78-88% of the workload roofline (...)``: the fraction against the
-    matmul rate measured just after and just before the level (``--roofline``)."""
+def roofline_fraction(records: list[dict], label: str, workload: str,
+                      concurrency: int) -> tuple[float, float, float] | None:
+    """(median, lowest, highest) fraction of the roofline over the repeats of one level: the
+    median of each run's fraction against the mean of its two rooflines (from the rates
+    measured before and after it), and the extremes against either roofline."""
+    runs = [r["roofline"] for r in records if engine_label(r) == label
+            and r["workload"] == workload and r["concurrency"] == concurrency
+            and r.get("roofline", {}).get("fraction")]
+    if not runs:
+        return None
+    mids = [2 / (1 / lo + 1 / hi) for lo, hi in (run["fraction"] for run in runs)]
+    return (_median(mids), min(run["fraction"][0] for run in runs),
+            max(run["fraction"][1] for run in runs))
+
+
+def roofline_line(record: dict, records: list[dict] | None = None) -> str:
+    """``minivllm fixed c=32: 85% of the workload roofline (...)``: the fraction against the
+    matmul rate measured just before and just after the level (``--roofline``); with
+    repeats, the median over the runs and the range of all of them. The rates and tokens/s
+    quoted are those of the level's median run."""
     roof = record["roofline"]
-    low, high = roof.get("fraction") or (None, None)
-    share = f"{100 * low:.0f}-{100 * high:.0f}%" if low is not None else "-"
+    found = roofline_fraction(records or [record], engine_label(record), record["workload"],
+                              record["concurrency"])
+    share = f"{100 * found[0]:.0f}% ({100 * found[1]:.0f}-{100 * found[2]:.0f})" if found else "-"
     rates = ", ".join(f"{k} {roof['gflops_before'][k]:.1f}->{roof['gflops_after'][k]:.1f}"
                       for k in ("prefill", "decode"))
     return (f"{engine_label(record)} {record['workload']} c={record['concurrency']}: {share} of "

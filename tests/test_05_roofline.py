@@ -109,7 +109,7 @@ def test_probe_record_gives_the_fraction_against_both_rates(tiny_model):
 
 def test_table_quotes_the_roofline_and_remote_servers_get_none(tiny_model, capsys):
     from minivllm.bench import BenchOptions, roofline_probe
-    from minivllm.bench_metrics import format_table
+    from minivllm.bench_metrics import format_table, roofline_fraction
 
     record = {"engine": "minivllm", "variant": "", "workload": "fixed", "concurrency": 32,
               "label": "x", "output_throughput": 49.3, "completed": 64, "failures": 0,
@@ -118,9 +118,16 @@ def test_table_quotes_the_roofline_and_remote_servers_get_none(tiny_model, capsy
                            "gflops_after": {"decode": 84.8, "prefill": 84.8},
                            "gflop_per_output_token": 1.34, "tokens_per_s": [56.1, 63.3],
                            "fraction": [0.7788, 0.8788]}}
-    assert ("minivllm fixed c=32: 78-88% of the workload roofline (56.1-63.3 tok/s; matmul "
+    assert ("minivllm fixed c=32: 83% (78-88) of the workload roofline (56.1-63.3 tok/s; matmul "
             "GFLOP/s before->after: prefill 75.3->84.8, decode 75.3->84.8; 1.340 GFLOP per "
             "output token)") in format_table([record])
+    # three repeats: the median of the runs' fractions against their mean roofline, every end
+    runs = [record | {"repeat": i, "roofline": record["roofline"] | {"fraction": f}}
+            for i, f in enumerate([[0.5, 0.5], [0.9, 1.1], [0.7, 0.8]])]
+    assert roofline_fraction(runs, "minivllm", "fixed", 32) == pytest.approx(
+        (2 / (1 / 0.7 + 1 / 0.8), 0.5, 1.1))
+    assert "75% (50-110) of the workload roofline" in format_table(runs)
+    assert roofline_fraction(runs, "minivllm", "mixed", 32) is None
     opts = BenchOptions(model=str(tiny_model), engines=["openai"], workloads=["fixed"],
                         concurrency=[1], roofline=True)
     assert roofline_probe("openai", opts, "cpu") is None
