@@ -130,6 +130,12 @@ class CompiledDecoder:
         # specialised graph, compiled in the warm-up. CUDA graphs keep buckets of >= 2.
         self.min_rows = 2 if self.on_cuda else 1
         mode = "reduce-overhead" if self.on_cuda else None  # CUDA graphs on CUDA
+        if self.on_cuda:
+            # The graph writes k/v into the pool, an input. CUDA graph trees replay only graphs
+            # whose mutated inputs keep their address (parameters, buffers); any other mutated
+            # input makes them skip the CUDA graph. The pool never moves, so say so (no guard:
+            # another engine's pool re-records the graphs instead of recompiling them).
+            torch._dynamo.mark_static_address(kv, guard=False)
         self._logits = torch.compile(decode_logits, dynamic=True, mode=mode)
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
@@ -143,6 +149,8 @@ class CompiledDecoder:
         tables = [t + [scratch] * (width - len(t)) for t in batch.block_tables]
         tables += [[scratch] * width] * (padded_rows - rows)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        if self.on_cuda:  # a new step: the last step's outputs (in the graphs' pool) are done
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self._logits(self.model, self.kv, as_tensor(batch.input_ids + [0] * (padded_rows - rows)),
                               as_tensor(batch.seq_lens + [1] * (padded_rows - rows)),
                               as_tensor(tables), self.block_size)

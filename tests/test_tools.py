@@ -27,3 +27,39 @@ def test_roofline_report_on_the_tiny_model(tiny_model):
     assert report["workload_gflop_per_output_token"] == pytest.approx(workload / 1e9, rel=1e-3)
     assert set(report["hot_gflops_by_layer"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                   "gate_proj", "up_proj", "down_proj", "lm_head"}
+
+
+def test_weight_bandwidth_from_a_concurrency_1_record():
+    tool = load_module(REPO / "tools" / "weight_bandwidth.py", "weight_bandwidth")
+    record = {"concurrency": 1, "median_tpot_ms": 2.0,
+              "env": {"dtype": "bfloat16", "device_name": "NVIDIA H200",
+                      "model_shape": {"num_params": 494_000_000}}}
+    found = tool.weight_bandwidth(record)
+    # 0.988 GB read 500 times a second: 494 GB/s of the H200's 4800
+    assert found == {"weight_gb": 0.988, "steps_per_s": 500.0, "achieved_gbs": 494.0,
+                     "peak_gbs": 4800.0, "fraction_of_peak": round(494 / 4800, 4)}
+    assert tool.peak_for("NVIDIA H100 NVL") == 3900.0  # the longest matching name wins
+    assert tool.weight_bandwidth(record, peak_gbs=1000.0)["fraction_of_peak"] == 0.494
+    assert tool.weight_bandwidth({**record, "concurrency": 8}) is None  # c=1 only
+    unknown = {**record, "env": {**record["env"], "device_name": "Some GPU"}}
+    assert tool.weight_bandwidth(unknown)["fraction_of_peak"] is None
+
+
+def test_cuda_session_script_is_ready(tmp_path):
+    """The prepared GPU run parses, names files that exist, and refuses to run without CUDA."""
+    import subprocess
+    import sys
+
+    script = REPO / "tools" / "cuda_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    text = script.read_text()
+    for path in ("tests/test_cuda.py", "tools/make_random_checkpoint.py",
+                 "tools/weight_bandwidth.py"):
+        assert path in text and (REPO / path).is_file()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would really run")
+    proc = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True,
+                          env={"OUT": str(tmp_path),
+                               "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+                               "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr

