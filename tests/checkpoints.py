@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minivllm.course.random_weights import QWEN3_ONLY_TOKENS, QWEN25_CHAT_TEMPLATE, randomize_
+
 QWEN_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
 
 TINY_COMMON = {
@@ -74,43 +76,6 @@ QWEN3_06B = {
     "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
-
-# Qwen2.5-Instruct's ChatML template, written out equivalently: a default system prompt
-# when the conversation has none; tool calling is left out.
-QWEN25_CHAT_TEMPLATE = (
-    "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set rest = messages[1:] %}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-    "You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- set rest = messages %}"
-    "{%- endif %}"
-    "{%- for message in rest %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-QWEN3_ONLY_TOKENS = range(151665, 151669)  # <tool_response>, </tool_response>, <think>, </think>
-
-
-def randomize_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights: matrices ~ N(0, std), biases ~ N(0, 0.1), norms ~ 1 + N(0, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    seen: set[int] = set()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if id(p) in seen:  # a tied weight is filled once
-                continue
-            seen.add(id(p))
-            if "norm" in name:
-                p.normal_(1.0, 0.1, generator=gen)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, std, generator=gen)
-
 
 def build_checkpoint(
     out: Path,

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from minivllm.course.random_weights import QWEN3_ONLY_TOKENS, QWEN25_CHAT_TEMPLATE
+
 QWEN_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
-QWEN3_ONLY_TOKENS = range(151665, 151669)  # <tool_response>, </tool_response>, <think>, </think>
 
 # config.json of Qwen/Qwen2.5-0.5B-Instruct and Qwen/Qwen3-0.6B (the fields that matter).
 SHAPES: dict[str, dict] = {
@@ -55,23 +56,6 @@ SHAPES: dict[str, dict] = {
         "bos_token_id": 151643, "eos_token_id": 151645,
     },
 }
-
-# Qwen2.5-Instruct's ChatML template (tool calling left out): a default system prompt when
-# the conversation has none.
-CHAT_TEMPLATE = (
-    "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set rest = messages[1:] %}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-    "You are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- set rest = messages %}"
-    "{%- endif %}"
-    "{%- for message in rest %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -104,7 +88,7 @@ def write_qwen25_tokenizer(out: Path) -> None:
                                  for t in tok["added_tokens"]},
         "additional_special_tokens": [t for t in special if t != "<|endoftext|>"],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": QWEN25_CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from .grading import assert_close, assert_equal, exercise, passed, require
+from .random_weights import randomize_
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 8, 2, 8  # small GQA shapes: 4 query heads per kv head
 
@@ -47,20 +48,6 @@ def _our_config(hf_cfg):
     from minivllm.config import ModelConfig
 
     return ModelConfig.from_dict(hf_cfg.to_dict(), source="grader config")
-
-
-def _randomize(module: torch.nn.Module, seed: int, std: float = 0.2) -> None:
-    """Weights ~ N(0, std), biases ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1): every parameter
-    matters, so a skipped bias or norm shows up in the output."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1, generator=gen)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, std, generator=gen)
 
 
 def _load_same_weights(ours: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
@@ -269,7 +256,7 @@ def check_attention(causal_attention, Attention) -> None:
 
     cfg = _hf_config()
     ref = _hf().Qwen2Attention(cfg, layer_idx=0).eval()
-    _randomize(ref, seed=1)
+    randomize_(ref, seed=1, std=0.2)
     layer = "Exercise 1.3 (the Attention layer with your causal_attention)"
     ours = Attention(_our_config(cfg), layer_idx=0)
     _load_same_weights(ours, ref, layer)
@@ -291,7 +278,7 @@ def check_mlp(MLP) -> None:
     what = "Exercise 1.4 (MLP)"
     cfg = _hf_config()
     ref = _hf().Qwen2MLP(cfg)
-    _randomize(ref, seed=2)
+    randomize_(ref, seed=2, std=0.2)
     ours = MLP(_our_config(cfg))
     _load_same_weights(ours, ref, what)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
@@ -317,7 +304,7 @@ def check_decoder_layer(DecoderLayer) -> None:
     what = "Exercise 1.5 (DecoderLayer)"
     cfg = _hf_config()
     ref = _hf().Qwen2DecoderLayer(cfg, layer_idx=0).eval()
-    _randomize(ref, seed=4)
+    randomize_(ref, seed=4, std=0.2)
     ours = DecoderLayer(_our_config(cfg), layer_idx=0)
     _load_same_weights(ours, ref, what)
     x, positions = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(5)), torch.arange(6)
@@ -378,7 +365,7 @@ def check_load_model(load_model) -> None:
         cfg = _hf_config(tie_word_embeddings=tied)
         torch.manual_seed(6)
         hf = Qwen2ForCausalLM(cfg)
-        _randomize(hf, seed=6 + n)
+        randomize_(hf, seed=6 + n, std=0.2)
         state = {k: v for k, v in hf.state_dict().items()}
         if store_head:  # a tied checkpoint may still carry a copy (transformers ignores it)
             state["lm_head.weight"] = hf.lm_head.weight.detach().clone()
@@ -412,7 +399,7 @@ def check_load_model(load_model) -> None:
 
     cfg = _hf_config()
     hf = Qwen2ForCausalLM(cfg)
-    _randomize(hf, seed=9)
+    randomize_(hf, seed=9, std=0.2)
     base = dict(hf.state_dict())
     victim = "model.layers.1.self_attn.k_proj.weight"
     with exercise(what):
