@@ -246,12 +246,11 @@ def roofline_probe(name: str, opts: BenchOptions, device: str) -> RooflineProbe 
         print("no roofline for the openai engine: its server may run on another machine")
         return None
     try:
-        path = resolve_model_path(opts.model)
-        dtype = resolve_dtype(opts.dtype, device, ModelConfig.from_pretrained(path).torch_dtype)
+        mc = ModelConfig.from_pretrained(resolve_model_path(opts.model))
     except (FileNotFoundError, OSError, ValueError) as e:
         print(f"no roofline: {e}")
         return None
-    return RooflineProbe(path, dtype, device)
+    return RooflineProbe(mc, resolve_dtype(opts.dtype, device, mc.torch_dtype), device)
 
 
 def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],

@@ -213,15 +213,21 @@ def median_runs(records: list[dict]) -> list[dict]:
     return out
 
 
+def level_runs(records: list[dict], label: str, workload: str, concurrency: int) -> list[dict]:
+    """Every run of one engine label at one (workload, concurrency) level."""
+    return [r for r in records if engine_label(r) == label and r["workload"] == workload
+            and r["concurrency"] == concurrency]
+
+
 def throughput_ratio(records: list[dict], label: str, baseline: str, workload: str,
                      concurrency: int) -> tuple[float, float, float] | None:
     """``label``'s output throughput over ``baseline``'s at one level: (median, min, max) of
     the per-repeat ratios, pairing the runs of the same label and repeat (which ran back to
     back)."""
     def by_repeat(name: str) -> dict[tuple, float]:
-        return {(r.get("label"), r.get("repeat", 0)): r["output_throughput"] for r in records
-                if engine_label(r) == name and r["workload"] == workload
-                and r["concurrency"] == concurrency and r.get("output_throughput")}
+        return {(r.get("label"), r.get("repeat", 0)): r["output_throughput"]
+                for r in level_runs(records, name, workload, concurrency)
+                if r.get("output_throughput")}
     a, b = by_repeat(label), by_repeat(baseline)
     ratios = [a[i] / b[i] for i in a if i in b]
     return (_median(ratios), min(ratios), max(ratios)) if ratios else None
@@ -261,9 +267,8 @@ def roofline_fraction(records: list[dict], label: str, workload: str,
     """(median, lowest, highest) fraction of the roofline over the repeats of one level: the
     median of each run's fraction against the mean of its two rooflines (from the rates
     measured before and after it), and the extremes against either roofline."""
-    runs = [r["roofline"] for r in records if engine_label(r) == label
-            and r["workload"] == workload and r["concurrency"] == concurrency
-            and r.get("roofline", {}).get("fraction")]
+    runs = [r["roofline"] for r in level_runs(records, label, workload, concurrency)
+            if r.get("roofline", {}).get("fraction")]
     if not runs:
         return None
     mids = [2 / (1 / lo + 1 / hi) for lo, hi in (run["fraction"] for run in runs)]

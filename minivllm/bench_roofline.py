@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -161,9 +160,8 @@ class RooflineProbe:
     """Measures the rates for one benchmark level, before and after it runs, and turns them
     into the ``roofline`` entry of the level's record."""
 
-    def __init__(self, model_path: str | Path, dtype: torch.dtype, device: str):
-        self.mc = ModelConfig.from_pretrained(model_path)
-        self.dtype, self.device = dtype, device
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: str):
+        self.mc, self.dtype, self.device = mc, dtype, device
 
     def rows(self, requests: list[tuple[int, int]], concurrency: int) -> dict[str, int]:
         """The decode shape is the concurrency; the prefill shape the prompt tokens of all

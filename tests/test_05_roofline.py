@@ -92,7 +92,7 @@ def test_matmul_rate_on_the_tiny_model(tiny_model, monkeypatch):
 
 
 def test_probe_record_gives_the_fraction_against_both_rates(tiny_model):
-    probe = RooflineProbe(tiny_model, torch.float32, "cpu")
+    probe = RooflineProbe(ModelConfig.from_pretrained(tiny_model), torch.float32, "cpu")
     requests = [(8, 4), (12, 6)]
     assert probe.rows(requests, 2) == {"decode": 2, "prefill": 20}  # both prompts in one step
     assert probe.rows(requests * 200, 400)["prefill"] == 2048  # at most one step's tokens

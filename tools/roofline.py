@@ -33,7 +33,7 @@ import time
 import torch
 
 from minivllm.bench_roofline import (
-    PREFILL_ROWS_CAP,
+    RooflineProbe,
     linear_shapes,
     matmul_rate,
     request_flops,
@@ -71,7 +71,9 @@ def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
               "roofline_tokens_per_s": round(rate / flops_per_token, 2),
               "hot_gflops_by_layer": hot}
     if input_len and output_len:
-        prefill_rows = min(batch * input_len, PREFILL_ROWS_CAP)  # every prompt in flight
+        # the benchmark's rule: every prompt in flight, up to one engine step
+        prefill_rows = RooflineProbe(mc, dtype, "cpu").rows([(input_len, output_len)] * batch,
+                                                            batch)["prefill"]
         prefill_rate = matmul_rate(mc, prefill_rows, dtype)
         per_token = sum(request_flops(mc, input_len, output_len)) / output_len
         result |= {"input_len": input_len, "output_len": output_len,
