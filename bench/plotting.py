@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import json
 import textwrap
 from dataclasses import dataclass, field
@@ -396,16 +397,25 @@ def plan(records: list[dict]) -> tuple[list[FigureSpec], list[str]]:
     return specs, skipped
 
 
-def roofline_files(results: Path = RESULTS) -> list[dict]:
-    """The machine-only rooflines of ``tools/roofline.py`` (``*roofline*.json``), one row each."""
-    return [{"file": p.name, **{k: v for k, v in json.loads(p.read_text()).items()
-                                if not isinstance(v, dict)}}
-            for p in sorted(results.glob("*roofline*.json"))]
+def roofline_files(results: Path = RESULTS) -> str:
+    """The machine-only rooflines of ``tools/roofline.py`` (``*roofline*.json``) as a table:
+    the matmul rate alone, at the checkpoint's shapes, per dtype."""
+    lines = [f"{'file':50} {'dtype':9} {'GFLOP/s':>7} {'tok/s':>6}  roofline of"]
+    for path in sorted(results.glob("*roofline*.json")):
+        r = json.loads(path.read_text())
+        if "workload_roofline_tokens_per_s" in r:
+            tok_s, of = r["workload_roofline_tokens_per_s"], \
+                f"the workload ({r['input_len']}-token prompts, {r['output_len']} out)"
+        else:
+            tok_s, of = r["roofline_tokens_per_s"], "decode alone"
+        lines.append(f"{path.name:50} {r['dtype']:9} {r['sustained_gflops']:7.1f} {tok_s:6.1f}"
+                     f"  {of}, batch {r['batch']}, {Path(r['model']).name}")
+    return "\n".join(lines)
 
 
 # --- drawing ---------------------------------------------------------------------------------
 
-BUSY_NOTE = "hollow / hatched: a run of this level was on a busy machine (load.busy): not valid"
+BUSY_NOTE = "a run of this level was on a busy machine (load.busy): not valid"
 
 
 def check(spec: FigureSpec) -> None:
@@ -555,40 +565,47 @@ def render(spec: FigureSpec):
             from matplotlib.lines import Line2D
             from matplotlib.patches import Patch
 
-            handles[BUSY_NOTE] = Patch(facecolor="white", edgecolor="0.3", hatch="//") \
+            handles[("hatched: " if spec.style == "bars" else "hollow: ") + BUSY_NOTE] = Patch(facecolor="white", edgecolor="0.3", hatch="//") \
                 if spec.style == "bars" else Line2D([], [], marker="o", ls="", mfc="white",
                                                      mec="0.3", ms=8)
         ncols = 2 if spec.kind == "latency" else min(len(handles), 4)
         fig.legend(handles.values(), handles.keys(), loc="outside lower center",
                    ncols=ncols, fontsize=8, frameon=False)
     if spec.style == "rows":
-        notes = spec.notes + ([BUSY_NOTE] if busy else [])
-        axes[0].set_xlabel(_wrap("\n".join([axes[0].get_xlabel(), *notes]), int(14 * width)),
+        notes = spec.notes + ([f"hollow: {BUSY_NOTE}"] if busy else [])
+        axes[0].set_xlabel(_wrap("\n".join([axes[0].get_xlabel(), *notes]), int(9 * width)),
                            fontsize=8)
     return fig
 
 
 def save(spec: FigureSpec, out_dir: Path = RESULTS) -> tuple[object, Path]:
-    """Render and write ``out_dir/<kind>-<model>-<device>-<dtype>.png`` (dpi 100, no
-    metadata, so the same records give the same bytes)."""
+    """Render and write ``out_dir/<kind>-<model>-<device>-<dtype>.png``: dpi 100, reduced to
+    a 64-colour palette (a quarter of the bytes, no visible change) and no metadata, so the
+    same records give the same bytes."""
+    from PIL import Image
+
     fig = render(spec)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     path = Path(out_dir) / spec.file_name
-    fig.savefig(path, dpi=100, metadata={"Software": None})
+    image = Image.open(buffer).convert("RGB")
+    image.quantize(64, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
     return fig, path
 
 
-def show(specs: list[FigureSpec], kind: str, out_dir: Path = RESULTS) -> list[Path]:
-    """Save and display every figure of one kind (the notebook's one call per figure)."""
-    from IPython.display import display
+def show(specs: list[FigureSpec], kind: str, out_dir: Path = RESULTS) -> None:
+    """Save every figure of one kind and display the saved PNG (the notebook's one call per
+    figure): what the notebook shows is byte for byte the committed file."""
+    from IPython.display import Image, display
 
-    paths = []
-    for spec in (s for s in specs if s.kind == kind):
-        fig, path = save(spec, out_dir)
-        display(fig)
-        paths.append(path)
-    if not paths:
-        print(f"no {kind} figure: see the list of what was left out above")
-    return paths
+    drawn = [s for s in specs if s.kind == kind]
+    for spec in drawn:
+        _, path = save(spec, out_dir)
+        path = path.resolve()
+        print(path.relative_to(RESULTS.parent.parent) if path.is_relative_to(RESULTS) else path)
+        display(Image(filename=str(path)))
+    if not drawn:
+        print(f"no {kind} figure: see what was left out, at the top")
 
 
 def stale_pngs(specs: list[FigureSpec], out_dir: Path = RESULTS) -> list[Path]:
