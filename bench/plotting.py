@@ -27,19 +27,25 @@ from typing import NamedTuple
 
 from minivllm import TINY_MODEL
 
+HARNESS_NAMES = ("engine_label", "level_runs", "median_runs", "roofline_fraction",
+                 "throughput_ratio")
+
 
 def _harness_metrics():
-    """The harness's metrics module. It is moving from ``minivllm/bench_metrics.py`` into the
-    package ``minivllm/bench/``: try the new home first, then the old ones. (``find_spec``
+    """The harness's metrics module, the one place these functions live. It is moving from
+    ``minivllm/bench_metrics.py`` into the package ``minivllm/bench/``: the first of the new
+    home, the old one and the package itself that has every name used here. (``find_spec``
     first, so that the old ``minivllm/bench.py`` module is not imported just to fail.)"""
     spec = importlib.util.find_spec("minivllm.bench")
-    names = ["minivllm.bench.metrics"] if spec and spec.submodule_search_locations else []
-    for name in [*names, "minivllm.bench_metrics", "minivllm.bench"]:
+    new = ["minivllm.bench.metrics"] if spec and spec.submodule_search_locations else []
+    for name in [*new, "minivllm.bench_metrics", "minivllm.bench"]:
         try:
-            return importlib.import_module(name)
+            module = importlib.import_module(name)
         except ModuleNotFoundError:
             continue
-    raise ImportError("no minivllm benchmark metrics module found")
+        if all(hasattr(module, n) for n in HARNESS_NAMES):
+            return module
+    raise ImportError(f"no minivllm benchmark module defines {', '.join(HARNESS_NAMES)}")
 
 
 _metrics = _harness_metrics()
@@ -49,7 +55,8 @@ median_runs = _metrics.median_runs
 roofline_fraction = _metrics.roofline_fraction
 throughput_ratio = _metrics.throughput_ratio
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 WORKLOADS = ("fixed", "mixed")
 KINDS = ("throughput", "latency", "speedup", "roofline", "memory")
 ROOFLINE_TARGET = 0.8
@@ -195,7 +202,7 @@ def pick_run(records: list[dict]) -> str | None:
         keys = {(engine_label(r), r["workload"], r["concurrency"]) for r in rows}
         quiet = [k for k in keys if not any(r.get("load", {}).get("busy")
                                             for r in level_runs(rows, *k))]
-        return len(quiet), len(keys), max(r["time"] for r in rows)
+        return len(quiet), len(keys), max(r.get("time", "") for r in rows)
     runs = {lb: rows for lb, rows in by_label(records).items() if is_multi_level(rows)}
     return max(runs, key=lambda lb: score(lb, runs[lb])) if runs else None
 
@@ -210,12 +217,14 @@ def short_commits(records: list[dict]) -> str:
 
 
 def title(what: str, group: Group, records: list[dict], run: str | None = None) -> str:
-    names = ", ".join(dict.fromkeys(r["env"]["device_name"] for r in records))
+    names = ", ".join(dict.fromkeys(r["env"].get("device_name") or r["env"]["device"]
+                                    for r in records))
     head = f"{what}\n{group.model}, {group.dtype}, {names}"
     tail = short_commits(records)
     if run:
         r = records[0]
-        tail = f"run '{run}', {r['input_len']}-token prompts, {r['output_len']} out; " + tail
+        tail = f"run '{run}', {r.get('input_len')}-token prompts, {r.get('output_len')} out; " \
+            + tail
     return f"{head}\n{tail}"
 
 
@@ -602,7 +611,7 @@ def show(specs: list[FigureSpec], kind: str, out_dir: Path = RESULTS) -> None:
     for spec in drawn:
         _, path = save(spec, out_dir)
         path = path.resolve()
-        print(path.relative_to(RESULTS.parent.parent) if path.is_relative_to(RESULTS) else path)
+        print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
         display(Image(filename=str(path)))
     if not drawn:
         print(f"no {kind} figure: see what was left out, at the top")
