@@ -548,7 +548,8 @@ def render(spec: FigureSpec):
         nrows = -(-len(spec.panels) // spec.ncols)
         fig = Figure(figsize=(max(7.0, 4.6 * spec.ncols + 0.6), 3.0 * nrows + 1.3),
                      layout="constrained")
-        axes = fig.subplots(nrows, spec.ncols, squeeze=False).ravel().tolist()
+        # one y scale per row, so that fixed and mixed compare at a glance
+        axes = fig.subplots(nrows, spec.ncols, squeeze=False, sharey="row").ravel().tolist()
     labels = [ln.engine for p in spec.panels for ln in p.lines] + \
         [pt.engine for p in spec.panels for ln in p.lines for pt in ln.points if pt.engine]
     styles = engine_styles(labels)
@@ -561,7 +562,8 @@ def render(spec: FigureSpec):
         else:
             busy |= (_draw_lines if spec.style == "lines" else _draw_bars)(ax, panel, styles)
             ax.set_title(panel.title, fontsize=9)
-            ax.set_ylabel(panel.ylabel)
+            if ax.get_subplotspec().is_first_col():  # the row shares one y axis
+                ax.set_ylabel(panel.ylabel)
             ax.grid(alpha=0.3)
     width = fig.get_figwidth()
     fig.suptitle(_wrap(spec.title, int(11.5 * width)), fontsize=10)
