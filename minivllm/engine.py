@@ -16,6 +16,7 @@ per-step deltas to HTTP clients.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from minivllm.compile import DecodeInputs, compile_enabled_by_default, try_compi
 from minivllm.config import (
     EngineConfig,
     ModelConfig,
+    auto_dtype,
     read_eos_token_ids,
     resolve_device,
     resolve_dtype,
@@ -44,6 +46,7 @@ from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+logger = logging.getLogger("minivllm.engine")
 
 
 @dataclass
@@ -125,7 +128,9 @@ class LLMEngine:
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        why = auto_dtype(self.device, self.model_config)[1] if config.dtype == "auto" else "asked"
+        logger.info("model %s on %s in %s (%s)", path, self.device, str(self.dtype)[6:], why)
         self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.eos_token_ids = read_eos_token_ids(path)
@@ -392,8 +397,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (batched, continuously) and return outputs in order."""
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (batched, continuously) and return outputs in order.
+
+        Shows a progress bar, as vLLM does, unless ``use_tqdm=False`` (or ``TQDM_DISABLE=1``).
+        """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -422,7 +430,7 @@ class LLM:
         return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)

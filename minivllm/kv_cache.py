@@ -22,6 +22,7 @@ collision cannot hand a sequence someone else's keys and values.
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -32,12 +33,28 @@ from minivllm.model import causal_attention
 # ----------------------------------------------------------------------------- the pool
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose CPU memory the OS commits only where it is written.
+
+    ``torch.zeros`` writes every byte up front, so a 2 GiB pool would be 2 GiB of resident
+    memory before the first request. An anonymous memory map reads as zeros and the kernel
+    backs a page only on its first write: resident memory follows the blocks in use (the
+    allocator hands out low block ids first). GPU memory is reserved whole either way.
+    """
+    numel = math.prod(shape)
+    if device.type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # keeps buffer alive
+
+
 class KVCachePool:
     """One preallocated tensor of keys and values for every layer of a model.
 
     ``kv[0, layer]`` holds the keys and ``kv[1, layer]`` the values of that layer as
     ``(num_blocks * block_size, n_kv_heads, head_dim)`` — a flat array of token slots.
-    It is zero-filled so that a padded read never meets NaN garbage.
+    It reads as zeros, so that a padded read never meets NaN garbage; on a CPU its memory
+    is committed page by page as blocks are first written (`lazy_zeros`).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -45,7 +62,7 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (2, num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = lazy_zeros(shape, dtype, torch.device(device))
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.kv[0, layer]  # (num_slots, n_kv, D)

@@ -519,21 +519,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", help="name(s) clients use (default: "
                    f"--model as given, or {TINY_MODEL_NAME!r} for the bundled model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
+    engine = EngineConfig()  # the one home of the engine's defaults: no flag restates one
+    p.add_argument("--dtype", default=engine.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="'auto': bf16 where the CPU does it natively and it pays, see the log")
+    p.add_argument("--device", default=engine.device)
+    p.add_argument("--block-size", type=int, default=engine.block_size)
+    p.add_argument("--num-blocks", type=int, default=engine.num_blocks)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=engine.kv_cache_memory_bytes)
     p.add_argument("--kv-cache-memory", type=float, help="CPU KV-cache budget in GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="loop")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--gpu-memory-utilization", type=float, default=engine.gpu_memory_utilization)
+    p.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=engine.max_model_len)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=engine.enable_prefix_caching)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="the same as --no-enable-prefix-caching")
+    p.add_argument("--attention-backend", default=engine.attention_backend,
+                   choices=["batched", "loop"])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=engine.compile,
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=engine.seed)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     limits = ServerOptions()
     p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY") or None,
@@ -564,7 +571,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "num_blocks": args.num_blocks, "kv_cache_memory_bytes": kv_bytes,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "enable_prefix_caching": not args.no_prefix_caching,
+        "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
 
@@ -572,6 +579,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> int:
     """Load the model, serve until Ctrl-C / SIGTERM, exit 0."""
     args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), datefmt="%H:%M:%S",
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model or TINY_MODEL_NAME]
     llm_engine = LLMEngine(engine_config(args))
     if os.environ.get("MINIVLLM_FAULT_INJECT"):  # tests only: see inject_faults

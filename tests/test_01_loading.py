@@ -5,6 +5,7 @@ Every error must name the file and the problem, so a broken checkpoint is a one-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -208,7 +209,52 @@ def test_engine_config_validation(kwargs, message):
         EngineConfig(**kwargs)
 
 
-def test_resolve_dtype():
-    assert resolve_dtype("auto", "cpu", "bfloat16") == torch.float32
-    assert resolve_dtype("auto", "cuda", "bfloat16") == torch.bfloat16
-    assert resolve_dtype("float16", "cpu", "bfloat16") == torch.float16
+def _config(path: Path, **changes) -> ModelConfig:
+    return dataclasses.replace(ModelConfig.from_pretrained(path), **changes)
+
+
+QWEN25_05B_SHAPE = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                    "head_dim": 64, "tie_word_embeddings": True}
+
+
+def test_num_parameters_matches_the_checkpoint(tiny_random_qwen2, tiny_random_qwen3):
+    """Guards: the dtype rule's model size counting what the checkpoint does not hold."""
+    for path in (tiny_random_qwen2, tiny_random_qwen3):
+        weights = load_file(str(next(Path(path).glob("*.safetensors"))))
+        assert ModelConfig.from_pretrained(path).num_parameters == sum(
+            t.numel() for t in weights.values())
+    assert _config(tiny_random_qwen2, **QWEN25_05B_SHAPE).num_parameters == 494_032_768
+
+
+def test_resolve_dtype_auto_follows_the_cpu(tiny_random_qwen2, monkeypatch):
+    """Guards: 'auto' running a bf16 checkpoint in fp32 on a CPU with bf16 units (1.9-2.8x
+    slower), or in bf16 on one without them (emulated, ~4x slower), or for a model too small
+    for bf16 to pay."""
+    from minivllm import config
+
+    big_bf16 = _config(tiny_random_qwen2, torch_dtype="bfloat16", **QWEN25_05B_SHAPE)
+    small_bf16 = _config(tiny_random_qwen2, torch_dtype="bfloat16")
+    big_fp32 = dataclasses.replace(big_bf16, torch_dtype="float32")
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert resolve_dtype("auto", "cpu", big_bf16) == torch.bfloat16
+    assert "amx_bf16" in config.auto_dtype("cpu", big_bf16)[1]
+    assert resolve_dtype("auto", "cpu", small_bf16) == torch.float32
+    assert "too small" in config.auto_dtype("cpu", small_bf16)[1]
+    assert resolve_dtype("auto", "cpu", big_fp32) == torch.float32
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert resolve_dtype("auto", "cpu", big_bf16) == torch.float32
+    assert "no native bf16" in config.auto_dtype("cpu", big_bf16)[1]
+    assert resolve_dtype("auto", "cuda", big_bf16) == torch.bfloat16
+    assert resolve_dtype("float16", "cpu", big_bf16) == torch.float16
+    assert resolve_dtype("float32", "cpu", big_bf16) == torch.float32
+
+
+def test_cpu_flags_reads_this_machine():
+    """Guards: the feature probe returning nothing on Linux (every CPU would look AVX2-less)."""
+    from minivllm.config import cpu_flags
+
+    flags = cpu_flags()
+    assert isinstance(flags, frozenset)
+    if Path("/proc/cpuinfo").is_file() and "flags" in Path("/proc/cpuinfo").read_text():
+        assert flags and all(" " not in f for f in flags)

@@ -209,3 +209,27 @@ def test_paged_attention_equals_contiguous_attention():
     out = PagedAttention(pool, md)(0, q, k, v)
     assert torch.allclose(out[:10], causal_attention(q[:10], k[:10], v[:10]), atol=1e-6)
     assert torch.allclose(out[10:], causal_attention(q[10:], k[10:], v[10:]), atol=1e-6)
+
+
+def test_pool_memory_is_committed_only_where_written():
+    """Guards: a 2 GiB pool costing 2 GiB of RSS at start-up (torch.zeros touches every
+    page) although the server holds a handful of blocks; and the lazily mapped pool reading
+    anything but zeros (padded reads must never meet NaN garbage)."""
+    import gc
+
+    import psutil
+
+    gc.collect()
+    process = psutil.Process()
+    before = process.memory_info().rss
+    pool = KVCachePool(num_layers=4, num_blocks=16384, block_size=16, num_kv_heads=2,
+                       head_dim=64, dtype=torch.float32)  # 1 GiB
+    assert pool.kv.numel() * 4 == 1 << 30
+    assert process.memory_info().rss - before < 64 * 1024**2
+    slots = torch.arange(32)  # two blocks of one layer
+    k = torch.randn(32, 2, 64)
+    pool.write(0, slots, k, -k)
+    got_k, got_v = pool.gather(0, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    assert process.memory_info().rss - before < 64 * 1024**2
+    assert not pool.keys(1)[:4096].any()  # never written: zeros

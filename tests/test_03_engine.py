@@ -246,3 +246,21 @@ def test_scheduler_policy_with_a_mock_model():
     assert preempted_ids, "a 10-block pool must force preemption here"
     assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 6 for s in seqs)
     assert bm.num_free_blocks == 10
+
+
+def test_generate_shows_a_progress_bar_by_default(tiny_model, monkeypatch):
+    """Guards: offline generation running silently for minutes (vLLM's LLM.generate shows a
+    bar unless use_tqdm=False). The suite turns the bars themselves off (TQDM_DISABLE=1,
+    which tqdm reads once, at import), so this test watches for the bar being opened."""
+    from minivllm import engine
+
+    bars = []
+    real = engine._progress
+    monkeypatch.setattr(engine, "_progress", lambda total: bars.append(total) or real(total))
+    llm = LLM(str(tiny_model), num_blocks=64, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(["import os", "def f("], params)
+    assert bars == [2]
+    llm.generate(["import os"], params, use_tqdm=False)
+    llm.chat([{"role": "user", "content": "hi"}], params)
+    assert bars == [2, 1]

@@ -293,3 +293,22 @@ def test_dropped_stream_frees_every_block(server):
         time.sleep(0.05)
     assert stats["num_generated_tokens"] - before["num_generated_tokens"] < 230, "not aborted"
     _still_serving(server)
+
+
+def test_cli_defaults_are_the_engine_config_defaults():
+    """Guards: `python -m minivllm.serve` and `LLM()` running different engines because a
+    flag restated a default that later changed (--attention-backend said 'loop' while
+    EngineConfig said 'batched')."""
+    import dataclasses
+
+    from minivllm.config import EngineConfig
+    from minivllm.serve import engine_config, parse_args
+
+    args = parse_args([])
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "model":  # no --model means the bundled model, EngineConfig's default
+            assert getattr(args, f.name) == getattr(defaults, f.name), f.name
+    assert engine_config(args) == defaults
+    assert engine_config(parse_args(["--no-prefix-caching"])).enable_prefix_caching is False
+    assert engine_config(parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False

@@ -250,7 +250,8 @@ def check_engine_parity(BatchedAttention, model: str,
     what = "Milestone 6 parity (LLM on your BatchedAttention vs transformers greedy)"
     label = "Exercises 6.1-6.3 end to end (LLM on your BatchedAttention)"
     llm = LLM(str(model), block_size=4, num_blocks=64, max_model_len=160, max_num_seqs=6,
-              max_num_batched_tokens=24, attention_backend="batched", compile=False)
+              max_num_batched_tokens=24, attention_backend="batched", compile=False,
+              dtype="float32")  # the parity dtype
     engine = llm.engine
     seen = {"steps": 0, "mixed": 0}
 
