@@ -96,6 +96,12 @@ class Submission:
             yield merged
 
 
+def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
+    """On the event loop: put each item on its request's queue."""
+    for _, out, item in batch:
+        out.put_nowait(item)
+
+
 class AsyncEngine:
     """Runs ``LLMEngine.step()`` in one background thread; asyncio code talks to it by queue."""
 
@@ -155,8 +161,9 @@ class AsyncEngine:
                     return
                 command()
             if self.engine.has_unfinished_requests():
-                self._step()
-            self.stats = self._snapshot()
+                self._step()  # takes its own snapshot, before the clients hear of the step
+            else:
+                self.stats = self._snapshot()
 
     def _add(self, requests, loop, out: asyncio.Queue, added: concurrent.futures.Future) -> None:
         """All of an HTTP request's engine requests, or none of them."""
@@ -198,22 +205,28 @@ class AsyncEngine:
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
             return
         self.stats = self._snapshot()  # before the clients hear of this step
+        self._deliver([(out.request_id, out) for out in outputs])
         for out in outputs:
-            self._deliver(out.request_id, out)
             if out.finished:
                 self._streams.pop(out.request_id, None)
 
-    def _deliver(self, request_id: str, item: RequestOutput | RequestFailed) -> None:
-        loop, out = self._streams[request_id]
-        try:
-            loop.call_soon_threadsafe(out.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            self._abort([request_id])
+    def _deliver(self, items: list[tuple[str, RequestOutput | RequestFailed]]) -> None:
+        """Hand a step's items to their event loops: one wake-up per loop, not per request
+        (each wake-up is a write to the loop's self-pipe and a GIL hand-over)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            loop, out = self._streams[request_id]
+            by_loop.setdefault(loop, []).append((request_id, out, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                self._abort([request_id for request_id, _, _ in batch])
 
     def _fail(self, request_ids: list[str], message: str) -> None:
-        for request_id in request_ids:
-            self._deliver(request_id, RequestFailed(request_id, message))
+        self._deliver([(r, RequestFailed(r, message)) for r in request_ids])
         self._abort(request_ids)
+        self.stats = self._snapshot()
 
     def _snapshot(self) -> dict:
         e = self.engine
