@@ -8,7 +8,7 @@ import pytest
 import torch
 from notebook_helpers import load_module
 
-from minivllm.bench_roofline import request_flops
+from minivllm.bench.roofline import request_flops
 from minivllm.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent

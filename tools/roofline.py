@@ -1,6 +1,6 @@
 """This machine's compute roofline for decoding a model: the best tokens/s its matmuls allow.
 
-The measurement itself lives in ``minivllm/bench_roofline.py`` (notebook 05), where
+The measurement itself lives in ``minivllm/bench/roofline.py`` (notebook 05), where
 ``python -m minivllm.bench --roofline`` takes it before and after every benchmark level.
 This tool prints it on its own, with a per-layer breakdown:
 
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from minivllm.bench_roofline import (
+from minivllm.bench.roofline import (
     RooflineProbe,
     linear_shapes,
     matmul_rate,
