@@ -31,7 +31,9 @@ import re
 from collections.abc import Callable, Iterator
 
 from minivllm.bench.clients import (
+    Payload,
     Progress,
+    completion_payload,
     drive_closed_loop,
     generate_static_batches,
     run_openai_client,
@@ -142,13 +144,13 @@ def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
 
 
 def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
-                  info: dict, payload=None) -> Session:
+                  info: dict, payload: Payload = completion_payload) -> Session:
+    """A session over HTTP: requests name the model the server lists, bodies by ``payload``."""
     name = served_model_name(base_url, model)
-    extra = {"payload": payload} if payload else {}
 
     def run(requests, concurrency, on_finish):
         return run_openai_client(base_url, name, requests, concurrency, on_finish=on_finish,
-                                 timeout_s=opts.request_timeout, **extra)
+                                 timeout_s=opts.request_timeout, payload=payload)
 
     return Session(run, memory_pid, memory_kind, {**info, "served_model_name": name})
 
@@ -165,7 +167,7 @@ def _resolved_dtype(opts: BenchOptions, device: str) -> str:
 @contextlib.contextmanager
 def _transformers_serve(opts: BenchOptions, device: str) -> Iterator[Session | None]:
     """``transformers serve --continuous-batching``: the run's dtype (as our engine resolves
-    it), and on the CPU a KV cache of the same bytes as our engine's budget. Its prompts must
+    it), and on the CPU as many KV token slots as our engine's pool. Its prompts must
     be text: each workload prompt is decoded by the checkpoint's tokenizer (before the clock
     starts), and the server's ``usage`` reports the tokens it really saw."""
     missing = transformers_serve_missing()
