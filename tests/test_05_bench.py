@@ -259,6 +259,27 @@ def test_transformers_serve_command_sizes_its_kv_cache(tiny_model):
         str(TRANSFORMERS_PAGE_SIZE), "--cb-num-blocks", "42"]
 
 
+@pytest.mark.parametrize("options", [{}, {"kv_cache_memory_bytes": 2**24},
+                                     {"num_blocks": 512, "block_size": 8}])
+def test_transformers_serve_gets_the_kv_token_slots_of_our_pool(tiny_model, options):
+    """Guards a comparison of unequal caches: transformers serve's pages hold as many tokens
+    as the pool our engine builds for the same options (to one page)."""
+    import torch
+
+    from minivllm.bench.servers import TRANSFORMERS_PAGE_SIZE, transformers_serve_kv
+    from minivllm.config import EngineConfig, ModelConfig
+    from minivllm.engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", compile=False,
+                          **options)
+    engine = LLMEngine(config)
+    pages, step_tokens = transformers_serve_kv(ModelConfig.from_pretrained(tiny_model),
+                                               torch.float32, config)
+    ours = engine.num_blocks * config.block_size
+    assert ours - TRANSFORMERS_PAGE_SIZE < pages * TRANSFORMERS_PAGE_SIZE <= ours
+    assert step_tokens == config.max_num_batched_tokens
+
+
 # --- the machine -------------------------------------------------------------------------------
 
 CPUINFO = """processor\t: 0

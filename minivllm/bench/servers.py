@@ -127,10 +127,12 @@ def transformers_serve_kv(mc, dtype, config) -> tuple[int, int]:
     grow with both: that memory is its own design's cost, and shows in its RSS.)"""
     from minivllm.engine import _DEFAULT_CPU_KV_BYTES  # our engine's CPU budget
 
-    budget = config.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
-    blocks = config.num_blocks or kv_blocks_for_budget(mc, dtype, budget, config.block_size)
-    max_len = config.max_model_len or mc.max_position_embeddings
-    blocks = min(blocks, config.max_num_seqs * -(-max_len // config.block_size))
+    blocks = config.num_blocks  # given: our engine takes it as it is
+    if blocks is None:
+        budget = config.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+        max_len = config.max_model_len or mc.max_position_embeddings
+        blocks = min(kv_blocks_for_budget(mc, dtype, budget, config.block_size),
+                     config.max_num_seqs * -(-max_len // config.block_size))
     pages = max(1, blocks * config.block_size // TRANSFORMERS_PAGE_SIZE)
     return pages, config.max_num_batched_tokens
 
