@@ -16,8 +16,6 @@ per-repeat paired ratios with their range: the harness's own functions (``median
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import io
 import json
 import textwrap
@@ -27,33 +25,17 @@ from typing import NamedTuple
 
 from minivllm import TINY_MODEL
 
+# The harness's own definitions (one place): a plotted ratio is the ratio the CLI printed.
+from minivllm.bench.metrics import (
+    engine_label,
+    level_runs,
+    median_runs,
+    roofline_fraction,
+    throughput_ratio,
+)
+
 HARNESS_NAMES = ("engine_label", "level_runs", "median_runs", "roofline_fraction",
                  "throughput_ratio")
-
-
-def _harness_metrics():
-    """The harness's metrics module, the one place these functions live. It is moving from
-    ``minivllm/bench_metrics.py`` into the package ``minivllm/bench/``: the first of the new
-    home, the old one and the package itself that has every name used here. (``find_spec``
-    first, so that the old ``minivllm/bench.py`` module is not imported just to fail.)"""
-    spec = importlib.util.find_spec("minivllm.bench")
-    new = ["minivllm.bench.metrics"] if spec and spec.submodule_search_locations else []
-    for name in [*new, "minivllm.bench_metrics", "minivllm.bench"]:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        if all(hasattr(module, n) for n in HARNESS_NAMES):
-            return module
-    raise ImportError(f"no minivllm benchmark module defines {', '.join(HARNESS_NAMES)}")
-
-
-_metrics = _harness_metrics()
-engine_label = _metrics.engine_label
-level_runs = _metrics.level_runs
-median_runs = _metrics.median_runs
-roofline_fraction = _metrics.roofline_fraction
-throughput_ratio = _metrics.throughput_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

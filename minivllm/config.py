@@ -225,7 +225,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int | None = None  # KV-cache blocks; None -> sized from the memory budget
-    kv_cache_memory_bytes: int | None = None  # CPU KV budget; None -> 2 GiB on CPU
+    kv_cache_memory_bytes: int = 2 * 1024**3  # KV budget on a CPU (a GPU sizes by the next)
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use
     max_num_seqs: int = 64  # most sequences running in one step
     max_num_batched_tokens: int = 2048  # most tokens (prefill + decode) in one step

@@ -45,7 +45,6 @@ from minivllm.sampling import Sampler, SamplerOutput, SamplingParams, exponentia
 from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
-_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 logger = logging.getLogger("minivllm.engine")
 
 
@@ -180,7 +179,7 @@ class LLMEngine:
             budget = measure_cuda_kv_budget(self.model, c.max_num_batched_tokens,
                                             c.gpu_memory_utilization)
             return num_blocks_for_budget(budget, block_bytes)
-        budget = c.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+        budget = c.kv_cache_memory_bytes
         enough = c.max_num_seqs * -(-self.max_model_len // c.block_size)  # never need more
         return min(num_blocks_for_budget(budget, block_bytes), enough)
 

@@ -103,21 +103,39 @@ def _put_all(batch: list[tuple[str, asyncio.Queue, object]]) -> None:
 
 
 class AsyncEngine:
-    """Runs ``LLMEngine.step()`` in one background thread; asyncio code talks to it by queue."""
+    """Runs ``LLMEngine.step()`` in one background thread; asyncio code talks to it by queue.
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
-        self.engine = engine  # used by the engine thread only
+    Give it an engine, or a function that builds one: then the engine thread builds it
+    itself (``start`` waits for that). Prefer the function: torch's OpenMP pool belongs to
+    the thread that first runs a parallel op, so an engine loaded in the main thread and
+    stepped in another leaves two pools on the machine's cores, and libgomp then stops
+    spinning between ops (its workers sleep and are woken for every op): the bundled
+    model's compiled decode ran 30% slower that way on 2 cores (docs/decisions.md).
+    """
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
+                 max_waiting_requests: int | None = None) -> None:
         self.max_waiting_requests = max_waiting_requests  # None: requests wait, unbounded
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
-        self.model_path = str(engine.model_path)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._build = engine if callable(engine) else None
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if self._build is None:
+            self._attach(engine)
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine  # used by the engine thread only
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.model_path = str(engine.model_path)
         self.stats = self._snapshot()  # replaced (never mutated) by the engine thread
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the engine thread (once) and wait until its engine is built."""
+        if not self._thread.is_alive() and not self._ready.done():
+            self._thread.start()
+        self._ready.result()  # re-raises what building the engine raised
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(None)
@@ -150,6 +168,13 @@ class AsyncEngine:
     # -- the engine thread's side
 
     def _run(self) -> None:
+        try:
+            if self._build is not None:
+                self._attach(self._build())
+        except BaseException as e:  # noqa: BLE001 -- start() re-raises it in its caller
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
         while True:
             idle = not self.engine.has_unfinished_requests()
             commands = [self._commands.get()] if idle else []  # sleep until there is work
@@ -204,19 +229,24 @@ class AsyncEngine:
             batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
             return
-        self.stats = self._snapshot()  # before the clients hear of this step
-        self._deliver([(out.request_id, out) for out in outputs])
+        routed = self._route([(out.request_id, out) for out in outputs])
         for out in outputs:
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        self.stats = self._snapshot()  # before the clients hear of this step
+        self._send(routed)
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | RequestFailed]]) -> None:
-        """Hand a step's items to their event loops: one wake-up per loop, not per request
-        (each wake-up is a write to the loop's self-pipe and a GIL hand-over)."""
+    def _route(self, items: list[tuple[str, RequestOutput | RequestFailed]]) -> dict:
+        """Group a step's items by the event loop of their request: {loop: [(id, queue, item)]}."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
             loop, out = self._streams[request_id]
             by_loop.setdefault(loop, []).append((request_id, out, item))
+        return by_loop
+
+    def _send(self, by_loop: dict) -> None:
+        """One wake-up per event loop, not per request (each is a write to the loop's
+        self-pipe and a hand-over of the GIL)."""
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -224,9 +254,10 @@ class AsyncEngine:
                 self._abort([request_id for request_id, _, _ in batch])
 
     def _fail(self, request_ids: list[str], message: str) -> None:
-        self._deliver([(r, RequestFailed(r, message)) for r in request_ids])
+        routed = self._route([(r, RequestFailed(r, message)) for r in request_ids])
         self._abort(request_ids)
         self.stats = self._snapshot()
+        self._send(routed)
 
     def _snapshot(self) -> dict:
         e = self.engine
@@ -595,10 +626,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), datefmt="%H:%M:%S",
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     names = args.served_model_name or [args.model or TINY_MODEL_NAME]
-    llm_engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
+    engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting_requests)
+    engine.start()  # loads (and warms up) the model in the thread that will step it
     if os.environ.get("MINIVLLM_FAULT_INJECT"):  # tests only: see inject_faults
-        inject_faults(llm_engine, os.environ["MINIVLLM_FAULT_INJECT"])
-    engine = AsyncEngine(llm_engine, args.max_waiting_requests)
+        inject_faults(engine.engine, os.environ["MINIVLLM_FAULT_INJECT"])
     app = build_app(engine, names, f"minivllm serving {names[0]} on http://{args.host}:{args.port}",
                     server_options(args))
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,

@@ -312,3 +312,32 @@ def test_cli_defaults_are_the_engine_config_defaults():
     assert engine_config(args) == defaults
     assert engine_config(parse_args(["--no-prefix-caching"])).enable_prefix_caching is False
     assert engine_config(parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+
+
+def test_engine_is_built_in_the_thread_that_steps_it(tiny_model):
+    """Guards: the server loading the model in the main thread and stepping it in another,
+    which leaves two OpenMP pools on the cores (libgomp then stops spinning: the bundled
+    model decoded 30% slower); and a failed load hanging start() instead of raising."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+    from minivllm.serve import AsyncEngine
+
+    built_in = []
+
+    def build():
+        built_in.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=64, max_model_len=128,
+                                      compile=False))
+
+    engine = AsyncEngine(build)
+    engine.start()
+    try:
+        assert built_in == [engine._thread] and engine.is_alive
+        assert engine.max_model_len == 128 and engine.stats["num_free_blocks"] == 64
+        engine.start()  # a second start (the app's lifespan) changes nothing
+        assert built_in == [engine._thread]
+    finally:
+        engine.shutdown()
+    broken = AsyncEngine(lambda: LLMEngine(EngineConfig(model="/nonexistent/checkpoint")))
+    with pytest.raises(FileNotFoundError):
+        broken.start()

@@ -1,4 +1,4 @@
-"""Milestone 5: the benchmark harness (minivllm/bench*.py, notebook 05_benchmark).
+"""Milestone 5: the benchmark harness (minivllm/bench/, notebook 05_benchmark).
 
 The metrics must be right on streams whose timings are known exactly (hand-computed
 below), the workloads must be identical for every engine and every call, and a short real
@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.bench import (
+from minivllm.bench.cli import main, parse_args
+from minivllm.bench.engines import (
     BenchOptions,
-    main,
-    parse_args,
     parse_engine_options,
     parse_engine_spec,
-    run_benchmark,
-    serve_flags,
     split_engine_specs,
 )
-from minivllm.bench_metrics import (
+from minivllm.bench.env import cpu_features, machine_line
+from minivllm.bench.harness import run_benchmark
+from minivllm.bench.metrics import (
     BenchRequest,
     RequestResult,
     format_table,
@@ -34,6 +33,12 @@ from minivllm.bench_metrics import (
     percentile,
     request_latency,
     summarize,
+)
+from minivllm.bench.servers import (
+    minivllm_server_command,
+    serve_flags,
+    transformers_serve_command,
+    transformers_serve_missing,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,8 +49,8 @@ RECORD_KEYS = ["schema", "time", "label", "engine", "variant", "repeat", "worklo
                "total_output_tokens", "request_throughput", "output_throughput",
                "total_token_throughput", *METRIC_KEYS, "peak_memory_bytes",
                "peak_memory_kind", "load", "errors", "env"]
-ENV_KEYS = ["device", "device_name", "dtype", "torch", "model", "model_shape", "git_commit",
-            "cpu_count", "torch_threads"]
+ENV_KEYS = ["device", "device_name", "cpu", "dtype", "dtype_requested", "torch", "model",
+            "model_shape", "git_commit", "cpu_count", "torch_threads"]
 
 
 # --- metrics on a synthetic stream -----------------------------------------------------------
@@ -197,6 +202,162 @@ def test_engine_options_parse_by_field_type_and_map_to_serve_flags():
     parsed, out = parse_args(["--concurrency", "1,8,32", "--ramp", "--ramp-cap", "128"])
     assert parsed.engine_options["max_num_seqs"] == 128  # the engine must admit the ramp
     assert out.parent == Path("bench/results") and out.suffix == ".jsonl"
+    assert parse_args(["--concurrency", "1,8,32"])[0].engine_options == {}  # 64 admits 32
+
+
+def test_cli_defaults_are_engine_config_defaults():
+    """Guards defaults that live in two places and drift (issue 15: the server defaulted to
+    the loop backend while EngineConfig said batched): every bench flag that mirrors an
+    EngineConfig field takes that field's default."""
+    import dataclasses
+
+    from minivllm.bench.cli import build_parser
+    from minivllm.config import EngineConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    mirrored = {a.dest: a.default for a in build_parser()._actions
+                if a.dest in fields and a.dest != "seed"}  # --seed seeds the workload
+    assert set(mirrored) >= {"model", "dtype", "device"}
+    assert mirrored == {k: fields[k] for k in mirrored}
+    opts, _ = parse_args([])
+    assert (opts.model, opts.dtype, opts.device) == tuple(fields[k] for k in
+                                                          ("model", "dtype", "device"))
+    assert BenchOptions("m", [], [], []).dtype == fields["dtype"]  # the notebook's defaults
+
+
+def test_minivllm_server_is_started_as_a_user_starts_it():
+    """Guards a benchmark of flags no user passes: with the bench's defaults the server gets
+    ``--model`` and ``--port`` only; explicit choices of the run, and only those, follow."""
+    opts, _ = parse_args(["--engines", "minivllm-server", "--model", "/m"])
+    cmd = minivllm_server_command(opts.model, 8123, opts.dtype, opts.device,
+                                  opts.engine_options)
+    assert cmd == [sys.executable, "-m", "minivllm.serve", "--model", "/m", "--port", "8123"]
+    opts, _ = parse_args(["--engines", "minivllm-server[attention_backend=loop]", "--model",
+                          "/m", "--dtype", "bfloat16", "--engine-option", "compile=false"])
+    _, _, own = parse_engine_spec(opts.engines[0])
+    cmd = minivllm_server_command(opts.model, 8123, opts.dtype, opts.device,
+                                  {**opts.engine_options, **own})
+    assert cmd[3:] == ["--model", "/m", "--port", "8123", "--dtype", "bfloat16",
+                       "--no-compile", "--attention-backend", "loop"]
+
+
+def test_transformers_serve_command_sizes_its_kv_cache(tiny_model):
+    """Guards ``transformers serve`` left to take ~60% of free RAM for its KV cache: on a CPU
+    it gets the same budget in bytes as our engine, in pages of its own default size."""
+    import torch
+
+    from minivllm.bench.servers import TRANSFORMERS_PAGE_SIZE, kv_blocks_for_budget
+    from minivllm.config import ModelConfig
+
+    mc = ModelConfig.from_pretrained(tiny_model)
+    per_page = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * 256
+    assert kv_blocks_for_budget(mc, torch.float32, 2 * 2**30, 256) == 2 * 2**30 // per_page
+    cmd = transformers_serve_command("/m", 8123, "float32", "cpu", 42)
+    assert cmd[cmd.index("serve"):] == [
+        "serve", "/m", "--continuous-batching", "--host", "127.0.0.1", "--port", "8123",
+        "--dtype", "float32", "--device", "cpu", "--cb-block-size",
+        str(TRANSFORMERS_PAGE_SIZE), "--cb-num-blocks", "42"]
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_cache_memory_bytes": 2**24},
+                                     {"num_blocks": 512, "block_size": 8}])
+def test_transformers_serve_gets_the_kv_token_slots_of_our_pool(tiny_model, options):
+    """Guards a comparison of unequal caches: transformers serve's pages hold as many tokens
+    as the pool our engine builds for the same options (to one page)."""
+    import torch
+
+    from minivllm.bench.servers import TRANSFORMERS_PAGE_SIZE, transformers_serve_kv
+    from minivllm.config import EngineConfig, ModelConfig
+    from minivllm.engine import LLMEngine
+
+    config = EngineConfig(model=str(tiny_model), dtype="float32", device="cpu", compile=False,
+                          **options)
+    engine = LLMEngine(config)
+    pages, step_tokens = transformers_serve_kv(ModelConfig.from_pretrained(tiny_model),
+                                               torch.float32, config)
+    ours = engine.num_blocks * config.block_size
+    assert ours - TRANSFORMERS_PAGE_SIZE < pages * TRANSFORMERS_PAGE_SIZE <= ours
+    assert step_tokens == config.max_num_batched_tokens
+
+
+# --- the machine -------------------------------------------------------------------------------
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R45 (Zen 5)
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni avx512vl
+processor\t: 1
+model name\t: AMD EPYC 9R45 (Zen 5)
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni avx512vl
+"""
+
+
+def test_cpu_features_name_the_cpu_and_its_bf16():
+    """Guards a record that cannot say why bf16 was fast or slow: the CPU's name and the ISA
+    flags that decide it travel with every result."""
+    cpu = cpu_features(CPUINFO)
+    assert cpu == {"model_name": "AMD EPYC 9R45 (Zen 5)",
+                   "flags": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"],
+                   "native_bf16": True}
+    avx2 = cpu_features("model name : Some CPU\nflags : sse2 avx2 fma\n")
+    assert avx2["flags"] == ["avx2", "fma"] and not avx2["native_bf16"]
+    line = machine_line({"cpu": cpu, "cpu_count": 2, "torch_threads": 2, "device": "cpu"})
+    assert line == ("CPU: AMD EPYC 9R45 (Zen 5) (2 CPUs, 2 torch threads); "
+                    "bf16 native (avx512_bf16)")
+    assert "bf16 not native (avx2, fma)" in machine_line({"cpu": avx2})
+    here = cpu_features()  # this machine: whatever it is, a name and a verdict
+    assert here["model_name"] and isinstance(here["native_bf16"], bool)
+
+
+# --- the HTTP client -----------------------------------------------------------------------------
+
+
+def _sse(*events: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + \
+        b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("closing", ["usage_with_empty_choice", "usage_alone"])
+def test_stream_client_counts_tokens_not_the_closing_usage_event(closing):
+    """Guards counting ``transformers serve``'s closing event (an empty-text choice carrying
+    the usage) as a token arrival, and losing its usage because the event has choices."""
+    import asyncio
+
+    import httpx
+
+    from minivllm.bench.clients import stream_completion
+
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    last = ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage}
+            if closing == "usage_with_empty_choice" else {"choices": [], "usage": usage})
+    body = _sse(*({"choices": [{"index": 0, "text": t}]} for t in ("a", "", "c")), last)
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=body)
+
+    result = RequestResult(prompt_len=5)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await stream_completion(client, "http://x/v1/completions", {"prompt": "hi"},
+                                    result, iter(range(100)).__next__)
+
+    asyncio.run(go())
+    assert sent == [{"prompt": "hi"}]
+    assert len(result.chunk_times) == 3  # "a", an empty-text token (a partial character), "c"
+    assert (result.output_tokens, result.prompt_len, result.error) == (3, 7, None)
+
+
+def test_text_payload_switches_eos_off_in_the_fields_transformers_serve_accepts():
+    from minivllm.bench.clients import completion_payload, text_completion_payload
+
+    body = text_completion_payload("/m", "some text", 5)
+    assert "ignore_eos" not in body and body["prompt"] == "some text"
+    assert json.loads(body["generation_config"]) == {"eos_token_id": -1}
+    assert (body["max_tokens"], body["temperature"], body["stream"]) == (5, 0.0, True)
+    assert completion_payload("/m", BenchRequest([1, 2], 5))["ignore_eos"] is True
 
 
 # --- short real runs on the bundled model ------------------------------------------------------
@@ -247,6 +408,35 @@ def test_short_run_minivllm_server(tiny_model, tmp_path):
                             tmp_path / "r.jsonl")
     _check_records(records, "minivllm-server", ["mixed"])
     assert records[0]["peak_memory_kind"] == "rss"  # the server process's RSS
+    # as a user starts it, plus the one option this run gave (compile off)
+    assert records[0]["env"]["command"][1:] == ["-m", "minivllm.serve", "--model",
+                                                str(tiny_model), "--port",
+                                                records[0]["env"]["command"][6], "--no-compile"]
+
+
+@pytest.mark.skipif(bool(transformers_serve_missing()),
+                    reason=f"transformers serve needs {transformers_serve_missing()}")
+def test_short_run_transformers_serve(tiny_model, tmp_path):
+    """``transformers serve --continuous-batching`` started by the harness: every request
+    completes with exactly the tokens asked for (EOS off), its RSS is the row's memory."""
+    small_kv = {"compile": False, "kv_cache_memory_bytes": 2**26}  # its masks grow with it
+    records = run_benchmark(_options(tiny_model, ["transformers-serve"], workloads=["mixed"],
+                                     engine_options=small_kv), tmp_path / "r.jsonl")
+    _check_records(records, "transformers-serve", ["mixed"])
+    env = records[0]["env"]
+    assert env["command"][env["command"].index("--dtype") + 1] == env["dtype"]
+    assert env["kv_cache"]["num_blocks"] > 0
+    assert records[0]["peak_memory_kind"] == "rss"
+
+
+def test_transformers_serve_row_is_skipped_when_it_cannot_start(tiny_model, capsys,
+                                                                  monkeypatch):
+    """Without its extras (accelerate, fastapi, ...) the row is absent, and says why."""
+    monkeypatch.setattr("minivllm.bench.engines.transformers_serve_missing",
+                        lambda: ["accelerate"])
+    assert run_benchmark(_options(tiny_model, ["transformers-serve"]), None) == []
+    assert "skipping transformers-serve: `transformers serve` needs accelerate" in \
+        capsys.readouterr().out
 
 
 def test_vllm_row_is_skipped_not_faked(tiny_model, capsys):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from notebook_helpers import load_module as _load
 
-from minivllm.bench_clients import drive_closed_loop
-from minivllm.bench_metrics import RequestLatency, RequestResult, percentile, request_latency
+from minivllm.bench.clients import drive_closed_loop
+from minivllm.bench.metrics import RequestLatency, RequestResult, percentile, request_latency
 from minivllm.course import checks_05
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,15 +27,15 @@ def learner(tmp_path_factory):
     out = tmp_path_factory.mktemp("learner")
     subprocess.run([sys.executable, "-m", "minivllm.course", "export", "--notebook",
                     str(NOTEBOOK), "--out", str(out)], check=True, capture_output=True)
-    names = {"bench_metrics": "learner_bench_metrics", "bench_clients": "learner_bench_clients"}
-    modules = {key: _load(out / f"{key}.py", name) for key, name in names.items()}
+    names = {"metrics": "learner_bench_metrics", "clients": "learner_bench_clients"}
+    modules = {key: _load(out / "bench" / f"{key}.py", name) for key, name in names.items()}
     yield modules
     for name in names.values():
         del sys.modules[name]
 
 
 def test_stubs_raise_not_implemented(learner):
-    metrics, clients = learner["bench_metrics"], learner["bench_clients"]
+    metrics, clients = learner["metrics"], learner["clients"]
     with pytest.raises(NotImplementedError, match="Exercise 05.1"):
         metrics.percentile([1.0, 2.0], 50)
     with pytest.raises(NotImplementedError, match="Exercise 05.2"):
@@ -99,10 +99,10 @@ def _stamp_before_step(engine, requests, concurrency, clock=None, on_finish=None
 
 
 GRADERS = [
-    (checks_05.check_percentile, "bench_metrics", "percentile", percentile, [_nearest_rank]),
-    (checks_05.check_request_latency, "bench_metrics", "request_latency", request_latency,
+    (checks_05.check_percentile, "metrics", "percentile", percentile, [_nearest_rank]),
+    (checks_05.check_request_latency, "metrics", "request_latency", request_latency,
      [_ttft_from_first_token, _tpot_over_all_tokens]),
-    (checks_05.check_closed_loop, "bench_clients", "drive_closed_loop", drive_closed_loop,
+    (checks_05.check_closed_loop, "clients", "drive_closed_loop", drive_closed_loop,
      [_open_loop, _stamp_before_step]),
 ]
 

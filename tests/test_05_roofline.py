@@ -1,4 +1,4 @@
-"""The matmul roofline next to each benchmark result (minivllm/bench_roofline.py, notebook 05).
+"""The matmul roofline next to each benchmark result (minivllm/bench/roofline.py, notebook 05).
 
 The FLOP counts are checked by hand on the real Qwen2.5-0.5B shape, the roofline arithmetic
 against known rates, the streamed weights against the model's layer order and a memory
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from minivllm.bench_roofline import (
+from minivllm.bench.roofline import (
     RooflineProbe,
     _streamed_weights,
     linear_shapes,
@@ -72,7 +72,7 @@ def test_streamed_weights_follow_the_model_and_stay_bounded(monkeypatch):
     assert all(bool(torch.all(w == 0.01)) for w in order)  # no uninitialised memory
     # a cap of two gate_proj copies: layers cycle through them and the buffer stays small
     gate_bytes = QWEN25_05B["intermediate_size"] * QWEN25_05B["hidden_size"] * 4
-    monkeypatch.setattr("minivllm.bench_roofline.STREAM_BYTES", 2 * gate_bytes)
+    monkeypatch.setattr("minivllm.bench.roofline.STREAM_BYTES", 2 * gate_bytes)
     flat, order = _streamed_weights(mc, torch.float32, torch.device("cpu"))
     gates = [w.data_ptr() for w in order[4:21:7]]
     assert gates[0] == gates[2] != gates[1]
@@ -87,7 +87,7 @@ def test_matmul_rate_on_the_tiny_model(tiny_model, monkeypatch):
     one, many = matmul_rate(mc, 1), matmul_rate(mc, 16)
     assert math.isfinite(one) and math.isfinite(many) and 0 < one < many < 1e13
     # more rows per weight byte: a 16-row matmul does 16x the work for the same weights
-    monkeypatch.setattr("minivllm.bench_roofline.PASS_FLOPS", 1.0)  # one layer per pass
+    monkeypatch.setattr("minivllm.bench.roofline.PASS_FLOPS", 1.0)  # one layer per pass
     assert 0 < matmul_rate(mc, 64) < 1e13
 
 
@@ -108,8 +108,9 @@ def test_probe_record_gives_the_fraction_against_both_rates(tiny_model):
 
 
 def test_table_quotes_the_roofline_and_remote_servers_get_none(tiny_model, capsys):
-    from minivllm.bench import BenchOptions, roofline_probe
-    from minivllm.bench_metrics import format_table, roofline_fraction
+    from minivllm.bench.engines import BenchOptions
+    from minivllm.bench.harness import roofline_probe
+    from minivllm.bench.metrics import format_table, roofline_fraction
 
     record = {"engine": "minivllm", "variant": "", "workload": "fixed", "concurrency": 32,
               "label": "x", "output_throughput": 49.3, "completed": 64, "failures": 0,

@@ -161,6 +161,57 @@ def test_export_notebook_to_out_dir_exports_learner_stubs(repo: Path, tmp_path: 
     assert "y = x * 2" in (out / "model.py").read_text()
 
 
+def test_dotted_modules_export_into_a_subpackage(repo: Path):
+    """``# export: bench.metrics`` writes minivllm/bench/metrics.py; ``bench.__init__`` and
+    ``bench.__main__`` are the subpackage's own files."""
+    nb = make_nb('# export: bench.__init__\n"""The bench."""', "# export: bench.metrics\nA = 1",
+                 "# export: bench.__main__\nprint('main')")
+    write(repo / "solutions" / "05_x.ipynb", nb)
+    files = export_all(root=repo)
+    bench = repo / "minivllm" / "bench"
+    assert sorted(files) == [bench / "__init__.py", bench / "__main__.py", bench / "metrics.py"]
+    assert (bench / "metrics.py").read_text().endswith("\n\nA = 1\n")
+    assert export_all(check=True, root=repo) == []
+
+
+@pytest.mark.parametrize("cells, words", [
+    (["# export: bench.metrics\nA = 1"], "no notebook exports `bench.__init__`"),
+    (["# export: course.x\nA = 1"], "`course.x` is hand-written"),
+    (["# export: __init__\nA = 1"], "`__init__` is hand-written"),
+    (["# export: bench.__init__.x\nA = 1"], "can only end a name"),
+])
+def test_export_refuses_bad_module_names(repo: Path, cells, words):
+    """Guards a subpackage without its ``__init__`` (it would import only as a namespace
+    package) and writes into the hand-written parts of the package."""
+    write(repo / "solutions" / "05_x.ipynb", make_nb(*cells))
+    with pytest.raises(CourseError, match=words):
+        export_all(root=repo)
+
+
+def test_export_removes_and_check_reports_modules_no_notebook_exports(repo: Path, capsys):
+    """Guards stale modules left behind when a module is renamed (bench_metrics.py after the
+    move to bench/metrics.py): importable, and silently out of date. Hand-written files stay."""
+    write(repo / "solutions" / "05_x.ipynb", make_nb("# export: bench_metrics\nA = 1"))
+    export_all(root=repo)
+    old = repo / "minivllm" / "bench_metrics.py"
+    hand = repo / "minivllm" / "hand.py"
+    hand.write_text('"""Written by hand."""\n')
+    write(repo / "solutions" / "05_x.ipynb",
+          make_nb('# export: bench.__init__\n"""The bench."""', "# export: bench.metrics\nA = 1"))
+    strip_all(root=repo)
+    assert main(["export", "--check", "--root", str(repo)]) == 1  # missing and orphaned
+    capsys.readouterr()
+    assert main(["check", "--root", str(repo)]) == 1
+    out = capsys.readouterr().out
+    assert "orphan: minivllm/bench_metrics.py" in out and "hand.py" not in out
+    assert "missing: minivllm/bench/metrics.py" in out
+    assert old.exists(), "--check must not delete"
+    assert main(["export", "--root", str(repo)]) == 0
+    assert "removed minivllm/bench_metrics.py" in capsys.readouterr().out
+    assert not old.exists() and hand.exists()
+    assert main(["check", "--root", str(repo)]) == 0
+
+
 # --- check ----------------------------------------------------------------------------------
 
 

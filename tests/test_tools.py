@@ -8,7 +8,7 @@ import pytest
 import torch
 from notebook_helpers import load_module
 
-from minivllm.bench_roofline import request_flops
+from minivllm.bench.roofline import request_flops
 from minivllm.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,3 +63,13 @@ def test_cuda_session_script_is_ready(tmp_path):
                                "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
                                "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr
+
+
+def test_omp_threads_measures_both_sides(tiny_model):
+    """Guards: the thread experiment behind AsyncEngine's build-in-thread rule rotting."""
+    tool = load_module(REPO / "tools" / "omp_threads.py", "omp_threads")
+    result = tool.main(["--model", str(tiny_model), "--no-compile", "--rounds", "1",
+                        "--tokens", "4"])
+    assert result["loading_thread_tok_s"] > 0 and result["other_thread_tok_s"] > 0
+    assert result["other_over_loading"] == pytest.approx(
+        result["other_thread_tok_s"] / result["loading_thread_tok_s"])

@@ -1,6 +1,6 @@
 """This machine's compute roofline for decoding a model: the best tokens/s its matmuls allow.
 
-The measurement itself lives in ``minivllm/bench_roofline.py`` (notebook 05), where
+The measurement itself lives in ``minivllm/bench/roofline.py`` (notebook 05), where
 ``python -m minivllm.bench --roofline`` takes it before and after every benchmark level.
 This tool prints it on its own, with a per-layer breakdown:
 
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from minivllm.bench_roofline import (
+from minivllm.bench.roofline import (
     RooflineProbe,
     linear_shapes,
     matmul_rate,
@@ -66,8 +66,8 @@ def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
     step_flops = sum(2.0 * batch * out_f * in_f * count for _, out_f, in_f, count in linear_shapes(mc))
     flops_per_token = step_flops / batch
     result = {"model": model, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
-              "threads": torch.get_num_threads(), "sustained_gflops": round(rate / 1e9, 2),
-              "gflop_per_token": round(flops_per_token / 1e9, 4),
+              "threads": torch.get_num_threads(), "sustained_gflops": round(rate / 1e9, 4),
+              "gflop_per_token": round(flops_per_token / 1e9, 6),  # tiny models: ~0.01
               "roofline_tokens_per_s": round(rate / flops_per_token, 2),
               "hot_gflops_by_layer": hot}
     if input_len and output_len:
@@ -78,7 +78,7 @@ def roofline(model: str, dtype: torch.dtype, batch: int, repeats: int = 15,
         per_token = sum(request_flops(mc, input_len, output_len)) / output_len
         result |= {"input_len": input_len, "output_len": output_len,
                    "prefill_rows": prefill_rows, "prefill_gflops": round(prefill_rate / 1e9, 2),
-                   "workload_gflop_per_output_token": round(per_token / 1e9, 4),
+                   "workload_gflop_per_output_token": round(per_token / 1e9, 6),
                    "workload_roofline_tokens_per_s": round(workload_roofline(
                        [(input_len, output_len)], prefill_rate, rate, mc), 2)}
     return result

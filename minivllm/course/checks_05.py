@@ -78,7 +78,7 @@ _LATENCY_CASES = [
 
 def check_request_latency(request_latency: Callable) -> None:
     """Exercise 05.2: TTFT from the request's start, ITLs between chunks, TPOT, E2EL."""
-    from minivllm.bench_metrics import RequestResult
+    from minivllm.bench.metrics import RequestResult
 
     hints = {
         "ttft": "TTFT runs from when the request was sent (result.start) to its first chunk",
@@ -166,7 +166,7 @@ _LOOP_EXPECTED = {  # request -> (start, chunk_times, end)
 def check_closed_loop(drive_closed_loop: Callable) -> None:
     """Exercise 05.3: at most ``concurrency`` requests in flight, topped up in order before
     every step; tokens timestamped *after* the step that made them."""
-    from minivllm.bench_metrics import BenchRequest
+    from minivllm.bench.metrics import BenchRequest
 
     requests = [BenchRequest([10 + i, 20 + i], n) for i, n in enumerate(_LOOP_OUTPUT_LENS)]
     engine = FakeEngine()

@@ -3,13 +3,19 @@
 ``solutions/NN_topic.ipynb`` is the single source. From it we generate
 
 * ``minivllm/<module>.py`` — every code cell whose first line is ``# export: <module>``,
-  in notebook order (*export*), and
+  in notebook order (*export*); a dotted name is a file in a subpackage
+  (``# export: bench.metrics`` -> ``minivllm/bench/metrics.py``, ``bench.__init__`` ->
+  ``minivllm/bench/__init__.py``), and
+
 * ``notebooks/NN_topic.ipynb`` — the learner's copy, with each ``### BEGIN SOLUTION`` …
   ``### END SOLUTION`` region replaced by a ``raise NotImplementedError(...)`` stub and all
   outputs cleared (*strip*).
 
 Both are pure functions of the solution notebooks and byte-stable, so a ``--check`` run can
 prove that the committed package and learner notebooks are exactly what the solutions say.
+Every generated module starts with ``HEADER``, so a module that no notebook exports any more
+(renamed, moved into a subpackage) is recognisable: ``export`` deletes it and ``check`` reports
+it, and a hand-written file (no header) is never touched.
 """
 
 from __future__ import annotations
@@ -23,16 +29,19 @@ from pathlib import Path
 
 import nbformat
 
-EXPORT_RE = re.compile(r"^#\s*export:\s*([A-Za-z_][A-Za-z0-9_]*)\s*$")
+EXPORT_RE = re.compile(r"^#\s*export:\s*([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\s*$")
 BEGIN_RE = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION(?:[ \t]+(?P<label>.*?))?[ \t]*$")
 END_RE = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
 DEFAULT_LABEL = "Exercise: replace this line with your solution"
 KEEP_CELL_METADATA = ("tags", "editable", "deletable")
 RESERVED_MODULES = frozenset({"__init__", "__main__", "course"})  # hand-written, never exported
+PACKAGE_FILES = frozenset({"__init__", "__main__"})  # may only end a dotted module name
 HEADER = (
     "# Generated from {source} by `python -m minivllm.course export`.\n"
     "# Edit the notebook, not this file.\n\n"
 )
+
+GENERATED_RE = re.compile(r"^# Generated from \S+ by `python -m minivllm\.course export`\.$")
 
 Echo = Callable[[str], None]
 
@@ -154,12 +163,54 @@ def exported_cells(nb: nbformat.NotebookNode, name: str = "notebook") -> dict[st
         if not match:
             continue
         module = match[1]
-        if module in RESERVED_MODULES:
-            raise CourseError(f"{name}, cell {i}: `{module}` is hand-written, not exported")
+        check_module_name(module, f"{name}, cell {i}")
         body = drop_solution_markers(rest, f"{name}, cell {i}").lstrip("\n").rstrip()
         if body:
             modules.setdefault(module, []).append(body)
     return modules
+
+
+def check_module_name(module: str, where: str) -> None:
+    """Refuse a module the package writes by hand (``minivllm/__init__.py``, ``course/``) and
+    a dotted name with ``__init__`` / ``__main__`` anywhere but at its end."""
+    parts = module.split(".")
+    if parts[0] in RESERVED_MODULES:
+        raise CourseError(f"{where}: `{module}` is hand-written, not exported")
+    if any(part in PACKAGE_FILES for part in parts[:-1]):
+        raise CourseError(f"{where}: `{module}`: `__init__` / `__main__` can only end a name")
+
+
+def module_path(out_dir: Path, module: str) -> Path:
+    """Where module ``a.b`` is written: ``out_dir/a/b.py`` (``a.__init__`` -> ``a/__init__.py``)."""
+    return out_dir.joinpath(*module.split(".")).with_suffix(".py")
+
+
+def _check_packages(owners: dict[str, str]) -> None:
+    """Every subpackage of an exported module has an exported ``__init__`` (so that the whole
+    subpackage, docstring included, comes from a notebook and ``check`` proves all of it)."""
+    for module, owner in owners.items():
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            package = ".".join(parts[:depth])
+            if f"{package}.__init__" not in owners:
+                raise CourseError(f"{owner} exports `{module}`, but no notebook exports "
+                                  f"`{package}.__init__` (add a `# export: {package}.__init__` "
+                                  "cell with the subpackage's docstring)")
+
+
+def generated_modules(out_dir: Path) -> list[Path]:
+    """The files under ``out_dir`` that the export wrote (their first line is ``HEADER``'s),
+    outside the hand-written ``course/``."""
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for path in sorted(out_dir.rglob("*.py")):
+        if path.relative_to(out_dir).parts[0] in RESERVED_MODULES:
+            continue
+        with path.open(encoding="utf-8") as f:
+            if GENERATED_RE.match(f.readline()):
+                found.append(path)
+    return found
 
 
 def module_text(source: str, cells: list[str]) -> str:
@@ -178,7 +229,8 @@ def plan_export(notebooks: list[Path], root: Path, out_dir: Path) -> dict[Path, 
                 raise CourseError(f"module `{module}` is exported by both {owners[module]} "
                                   f"and {name}; one notebook must own each module")
             owners[module] = name
-            plan[out_dir / f"{module}.py"] = module_text(name, cells)
+            plan[module_path(out_dir, module)] = module_text(name, cells)
+    _check_packages(owners)
     return plan
 
 
@@ -249,7 +301,23 @@ def export_all(check: bool = False, *, root: Path | None = None,
     if not notebooks:
         echo("export: no solution notebooks found, nothing to do")
     out = Path(package_dir) if package_dir else root / "minivllm"
-    return sync(plan_export(notebooks, root, out), check, root, echo)
+    plan = plan_export(notebooks, root, out)
+    return sync(plan, check, root, echo) + remove_orphans(plan, out, check, root, echo)
+
+
+def remove_orphans(plan: dict[Path, str], out_dir: Path, check: bool, root: Path,
+                   echo: Echo = print) -> list[Path]:
+    """Generated modules under ``out_dir`` that ``plan`` no longer produces (a module renamed
+    or moved into a subpackage): deleted, or with ``check`` only reported. Returns them."""
+    orphans = [path for path in generated_modules(out_dir) if path not in plan]
+    for path in orphans:
+        shown = _display(path, root)
+        if check:
+            echo(f"orphan: {shown} (generated, but no notebook exports it now)")
+        else:
+            path.unlink()
+            echo(f"removed {shown} (no notebook exports it now)")
+    return [] if not check else orphans
 
 
 def strip_all(check: bool = False, *, root: Path | None = None,

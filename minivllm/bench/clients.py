@@ -5,13 +5,14 @@
 
 Built in notebook 05_benchmark. Three ways to put ``concurrency`` requests in flight and
 record, for each, when it was sent, when each chunk of tokens arrived and when it ended
-(a ``RequestResult``; the arithmetic on top is ``bench_metrics``):
+(a ``RequestResult``; the arithmetic on top is in ``metrics``):
 
 * ``drive_closed_loop``: our ``LLMEngine`` directly, one ``step()`` at a time;
 * ``generate_static_batches``: ``transformers`` ``generate`` on static batches, the naive
   floor every serving engine is measured against;
 * ``run_openai_client``: any OpenAI-compatible server (``python -m minivllm.serve``,
-  ``vllm serve``) over streaming HTTP, timed as ``vllm bench serve`` times it.
+  ``transformers serve``, ``vllm serve``) over streaming HTTP, timed as ``vllm bench serve``
+  times it (the servers themselves are started by ``servers``).
 
 All three are *closed loops*: like ``concurrency`` users who each send their next request
 as soon as the previous one is answered, so the engine is never offered more (or less)
@@ -21,16 +22,11 @@ than ``concurrency`` requests at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
-from minivllm.bench_metrics import BenchRequest, RequestResult
+from minivllm.bench.metrics import BenchRequest, RequestResult
 
 Progress = Callable[[], None]  # called once per finished request
 
@@ -133,15 +129,35 @@ def generate_static_batches(model, requests: list[BenchRequest], concurrency: in
     return results
 
 
-async def stream_completion(client, url: str, model: str, request: BenchRequest,
-                            result: RequestResult, clock: Callable[[], float]) -> None:
+Payload = Callable[[str, BenchRequest], dict]  # (model name, request) -> the JSON body
+
+
+def completion_payload(model: str, request: BenchRequest) -> dict:
+    """The body ``vllm bench serve`` sends: the prompt as token ids, greedy, ``ignore_eos``
+    (a vLLM extension that minivllm's server accepts too) and the usage in the last event."""
+    return {"model": model, "prompt": request.prompt_token_ids,
+            "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+def text_completion_payload(model: str, prompt: str, max_tokens: int) -> dict:
+    """The same request for ``transformers serve``, which answers 422 to unknown fields and
+    takes only a string prompt: the prompt as text, and EOS switched off through the
+    ``generation_config`` it accepts (``eos_token_id: -1`` means none), so that it too
+    generates exactly ``max_tokens``."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "generation_config": json.dumps({"eos_token_id": -1})}
+
+
+async def stream_completion(client, url: str, payload: dict, result: RequestResult,
+                            clock: Callable[[], float]) -> None:
     """One streamed ``/v1/completions`` request, timed as ``vllm bench serve`` times it:
-    every SSE chunk with choices is an arrival; ``usage.completion_tokens`` (from
-    ``stream_options.include_usage``) counts the tokens, else one token per chunk."""
-    payload = {"model": model, "prompt": request.prompt_token_ids,
-               "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}}
-    completion_tokens = None
+    every SSE chunk with choices is an arrival, except a closing one that carries only the
+    usage and no text (``transformers serve`` sends that). ``usage`` (from
+    ``stream_options.include_usage``) counts the tokens, else one token per chunk; its
+    ``prompt_tokens`` replaces the prompt length when the server tokenized a text prompt."""
+    usage = {}
     result.start = clock()
     try:
         async with client.stream("POST", url, json=payload) as response:
@@ -156,14 +172,15 @@ async def stream_completion(client, url: str, model: str, request: BenchRequest,
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                texts = [c.get("text") for c in chunk.get("choices") or []]
                 if "error" in chunk:
                     result.error = str(chunk["error"])[:300]
-                elif chunk.get("choices"):
+                elif texts and (any(texts) or not chunk.get("usage")):
                     result.chunk_times.append(clock())
-                elif chunk.get("usage"):
-                    completion_tokens = chunk["usage"].get("completion_tokens")
         result.end = clock()
-        result.output_tokens = completion_tokens or len(result.chunk_times)
+        result.output_tokens = usage.get("completion_tokens") or len(result.chunk_times)
+        result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
         if not result.chunk_times and result.error is None:
             result.error = "the stream ended without a token"
     except Exception as e:  # noqa: BLE001 (a failed request is a result, not a crash)
@@ -172,19 +189,20 @@ async def stream_completion(client, url: str, model: str, request: BenchRequest,
 
 def run_openai_client(base_url: str, model: str, requests: list[BenchRequest],
                       concurrency: int, clock: Callable[[], float] = time.perf_counter,
-                      on_finish: Progress | None = None,
-                      timeout_s: float = 3600.0) -> list[RequestResult]:
+                      on_finish: Progress | None = None, timeout_s: float = 3600.0,
+                      payload: Payload = completion_payload) -> list[RequestResult]:
     """Closed loop over HTTP: ``concurrency`` async workers, each sending its next request
-    as soon as its previous one is answered."""
+    (the body ``payload`` makes of it) as soon as its previous one is answered."""
     import httpx
 
     results = [RequestResult(prompt_len=len(r.prompt_token_ids)) for r in requests]
     url = base_url.rstrip("/") + "/completions"
+    bodies = [payload(model, r) for r in requests]  # before the clock starts
     queue = iter(range(len(requests)))
 
     async def worker(client) -> None:
         for i in queue:  # one shared iterator: each index is taken by exactly one worker
-            await stream_completion(client, url, model, requests[i], results[i], clock)
+            await stream_completion(client, url, bodies[i], results[i], clock)
             if on_finish is not None:
                 on_finish()
 
@@ -205,42 +223,3 @@ def served_model_name(base_url: str, fallback: str) -> str:
         return httpx.get(base_url.rstrip("/") + "/models", timeout=10).json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError):
         return fallback
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(cmd: list[str], root_url: str, name: str,
-                   startup_timeout: float = 900.0) -> Iterator[subprocess.Popen]:
-    """Start a server subprocess, wait until ``GET /health`` answers 200, stop it after."""
-    import httpx
-
-    fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
-    with open(fd, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                tail = Path(log_path).read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with status {proc.returncode} before it "
-                                   f"was ready; log {log_path}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(root_url + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not healthy after {startup_timeout:.0f}s; log "
-                                   f"{log_path}")
-            time.sleep(0.5)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -16,7 +16,7 @@ arrived, when it ended. Everything else is arithmetic on those timestamps, named
     output_throughput           output tokens of all requests / wall time of the run
 
 Means, medians and p99s use linear interpolation between closest ranks (``numpy``'s
-default, as vLLM does). The runners that produce the timestamps live in ``bench.py``.
+default, as vLLM does). The runners that produce the timestamps live in ``clients``.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float 
 
 # (header, record key, format): what the end-of-run table shows.
 TABLE_COLUMNS = [
-    ("engine", "engine", "{}"), ("workload", "workload", "{}"), ("conc", "concurrency", "{}"),
+    ("engine", "engine", "{}"), ("dtype", "dtype", "{}"), ("workload", "workload", "{}"), ("conc", "concurrency", "{}"),
     ("ok", "completed", "{}"), ("fail", "failures", "{}"),
     ("out tok/s", "output_throughput", "{:.1f}"), ("req/s", "request_throughput", "{:.2f}"),
     ("TTFT p50", "median_ttft_ms", "{:.0f}"), ("TTFT p99", "p99_ttft_ms", "{:.0f}"),
@@ -181,6 +181,8 @@ def _cell(record: dict, key: str, fmt: str) -> str:
         value = record["peak_memory_bytes"] / 2**20
     elif key == "other_cpu_percent":
         value = record.get("load", {}).get(key)
+    elif key == "dtype":  # the dtype the engine ran, as its environment recorded it
+        value = record.get("env", {}).get("dtype")
     return "-" if value is None else fmt.format(value)
 
 

@@ -4,7 +4,8 @@
 """The machine a benchmark runs on: what it is, and what else runs on it.
 
 Built in notebook 05_benchmark. A result is only worth what is written next to it:
-``environment()`` records the device, dtype, library versions, model shape and git commit;
+``environment()`` records the device, the CPU and its features, dtype, library versions,
+model shape and git commit;
 ``Monitor`` samples, while a run lasts, the engine's peak memory and the CPU that *other*
 processes used. On a 2-core machine a neighbour compiling something halves the numbers,
 so every record carries ``load.busy`` and the table flags it.
@@ -150,7 +151,7 @@ def regular_vocab_size(path: str | Path) -> int:
 
 
 def _git(*args: str) -> str | None:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository
     try:
         out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                              timeout=10, check=True)
@@ -168,30 +169,71 @@ def _version(package: str) -> str | None:
         return None
 
 
+# The ISA extensions that decide which dtype is fast on a CPU: float32 runs on AVX2/AVX-512
+# FMAs everywhere, bfloat16 matmuls run natively only with AVX512-BF16 or AMX (elsewhere
+# they are converted to float32 and back, slower than float32 itself).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # last 3: Arm
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name, which of ``CPU_FLAGS`` it has, and whether it executes bf16
+    natively, from ``/proc/cpuinfo`` (``lscpu`` where that is missing; both write
+    ``model name: ...`` and ``flags: ...`` lines, Arm writes ``Features``)."""
+    if cpuinfo is None:
+        with contextlib.suppress(OSError):
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+    if cpuinfo is None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            cpuinfo = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                                     check=True).stdout
+    name, flags = None, None
+    for line in (cpuinfo or "").splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and name is None:
+            name = value.strip()
+        elif key in ("flags", "features") and flags is None:
+            flags = set(value.split())
+    flags = flags or set()
+    return {"model_name": name or platform.processor() or platform.machine(),
+            "flags": [f for f in CPU_FLAGS if f in flags],
+            "native_bf16": any(f in flags for f in BF16_FLAGS)}
+
+
 def device_name(device: str) -> str:
     """The GPU's name, or the CPU's model and core count."""
     import torch
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    name = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    return f"{name} ({psutil.cpu_count()} CPUs)"
+    return f"{cpu_features()['model_name']} ({psutil.cpu_count()} CPUs)"
 
 
 def environment(model: str, device: str, dtype: str) -> dict:
-    """Everything a result depends on besides the engine's own options."""
+    """Everything a result depends on besides the engine's own options. ``dtype`` is what the
+    run asked for; each engine then records the dtype it actually ran."""
     import torch
 
     status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"device": device, "device_name": device_name(device), "dtype": dtype,
+    return {"device": device, "device_name": device_name(device), "cpu": cpu_features(),
+            "dtype": dtype, "dtype_requested": dtype,
             "torch": torch.__version__, "transformers": _version("transformers"),
             "vllm": _version("vllm"), "python": platform.python_version(),
             "hostname": socket.gethostname(), "cpu_count": psutil.cpu_count(),
             "torch_threads": torch.get_num_threads(), "model": str(model),
             "model_shape": model_summary(model), "git_commit": _git("rev-parse", "HEAD"),
             "git_dirty": bool(status) if status is not None else None}
+
+
+def machine_line(env: dict) -> str:
+    """``CPU: Intel Xeon (2 CPUs); bf16 native (avx512_bf16, amx_bf16)``: what the table's
+    numbers ran on, and whether bf16 is fast there."""
+    cpu = env.get("cpu") or {}
+    bf16 = [f for f in cpu.get("flags", []) if f in BF16_FLAGS]
+    native = f"bf16 native ({', '.join(bf16)})" if cpu.get("native_bf16") else \
+        f"bf16 not native ({', '.join(cpu.get('flags', [])[:3]) or 'no vector flags found'})"
+    gpu = f"; GPU: {env['device_name']}" if str(env.get("device", "")).startswith("cuda") else ""
+    return (f"CPU: {cpu.get('model_name', '?')} ({env.get('cpu_count', '?')} CPUs, "
+            f"{env.get('torch_threads', '?')} torch threads); {native}{gpu}")

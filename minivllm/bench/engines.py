@@ -1,0 +1,285 @@
+# Generated from solutions/05_benchmark.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
+"""The engines the harness can run, and how each one is started.
+
+Built in notebook 05_benchmark. Every engine runs the same seeded workload (``metrics``):
+
+* ``minivllm``: our ``LLMEngine`` driven directly as a closed loop that keeps
+  ``concurrency`` requests in flight and timestamps each step's new tokens;
+* ``minivllm-server``: ``python -m minivllm.serve`` in a subprocess, over HTTP, started as a
+  user starts it (``servers``);
+* ``transformers``: ``generate`` on static, left-padded batches (the naive floor): each
+  batch runs to its longest request, and the next batch waits for it;
+* ``transformers-serve``: ``transformers serve --continuous-batching`` in a subprocess, its
+  KV cache given the same budget in bytes as ours;
+* ``openai``: any OpenAI-compatible server at ``--base-url`` (vLLM, or minivllm elsewhere);
+* ``vllm``: ``vllm serve`` started by the harness, when vLLM and CUDA are both present.
+
+An engine name may carry options of its own, ``minivllm[compile=False]``
+(``parse_engine_spec``), so that two variants run side by side in one invocation.
+``open_engine`` yields a ``Session``: how to run a list of requests at a concurrency, which
+process's memory is the engine's, and what the record should say about the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterator
+
+from minivllm.bench.clients import (
+    Payload,
+    Progress,
+    completion_payload,
+    drive_closed_loop,
+    generate_static_batches,
+    run_openai_client,
+    served_model_name,
+    text_completion_payload,
+)
+from minivllm.bench.metrics import BenchRequest, RequestResult
+from minivllm.bench.servers import (
+    TRANSFORMERS_PAGE_SIZE,
+    free_port,
+    minivllm_server_command,
+    running_server,
+    transformers_serve_command,
+    transformers_serve_kv,
+    transformers_serve_missing,
+    vllm_command,
+)
+
+ENGINES = ("minivllm", "minivllm-server", "transformers", "transformers-serve", "openai", "vllm")
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    """Everything one benchmark invocation needs (picklable: it crosses into workers)."""
+
+    model: str
+    engines: list[str]
+    workloads: list[str]
+    concurrency: list[int]
+    num_requests: int | None = None  # per level; None -> max(2 * concurrency, 8)
+    input_len: int = 128
+    output_len: int = 128
+    range_ratio: float = 0.9  # mixed workload: lengths uniform in mean * (1 +- ratio)
+    seed: int = 0
+    dtype: str = "auto"  # as EngineConfig.dtype (the CLI reads its default from there)
+    device: str = "auto"  # as EngineConfig.device
+    engine_options: dict = dataclasses.field(default_factory=dict)  # EngineConfig fields
+    base_url: str | None = None  # the "openai" engine's server, e.g. http://host:8000/v1
+    label: str = ""
+    ramp: bool = False
+    ramp_step: int = 8
+    ramp_cap: int = 256
+    isolate: bool = True  # in-process engines each run in a fresh process (honest RSS)
+    request_timeout: float = 3600.0
+    warmup: bool = True
+    repeat: int = 1  # run the whole engine list this many times, interleaved
+    baseline: str | None = None  # engine label the table divides by (default transformers)
+    roofline: bool = False  # measure the matmul roofline before and after every level
+
+
+@dataclasses.dataclass
+class Session:
+    """A started engine: how to run a list of requests at a concurrency, what to monitor."""
+
+    run: Callable[[list[BenchRequest], int, Progress | None], list[RequestResult]]
+    memory_pid: int | None  # the process whose RSS is the engine's memory
+    memory_kind: str | None  # "rss", "cuda_reserved", "cuda_device_used", or None
+    info: dict  # engine-specific environment: device, dtype, options, backend
+
+
+def parse_engine_options(pairs: list[str]) -> dict:
+    """``key=value`` strings -> EngineConfig options, each value parsed by its field's type."""
+    from minivllm.config import EngineConfig
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+    options: dict = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in types or key == "model":
+            raise SystemExit(f"--engine-option {pair!r}: expected key=value with key one of "
+                             f"{', '.join(k for k in types if k != 'model')}")
+        kind = types[key]
+        if text.lower() == "none" and "None" in kind:
+            value = None
+        elif kind.startswith("bool"):
+            value = text.lower() in ("1", "true", "yes", "on")
+        elif kind.startswith("int"):
+            value = int(text)
+        elif kind.startswith("float"):
+            value = float(text)
+        else:
+            value = text
+        options[key] = value
+    return options
+
+
+def csv_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def split_engine_specs(text: str) -> list[str]:
+    """``"minivllm[compile=False,attention_backend=loop],transformers"`` -> the two specs
+    (commas inside brackets separate options, not engines)."""
+    return [s.strip() for s in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text) if s.strip()]
+
+
+def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
+    """``minivllm[compile=False]`` -> ("minivllm", "compile=False", {"compile": False}): an
+    engine run with options of its own on top of ``--engine-option``, so that two variants of
+    one engine can run side by side, in one invocation."""
+    match = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
+    if match is None or match.group(1) not in ENGINES:
+        raise SystemExit(f"unknown engine {spec!r}; choose from {', '.join(ENGINES)}, "
+                         "optionally with options: minivllm[compile=False,attention_backend=loop]")
+    variant = (match.group(2) or "").strip()
+    return match.group(1), variant, parse_engine_options(csv_list(variant))
+
+
+def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
+                  info: dict, payload: Payload = completion_payload) -> Session:
+    """A session over HTTP: requests name the model the server lists, bodies by ``payload``."""
+    name = served_model_name(base_url, model)
+
+    def run(requests, concurrency, on_finish):
+        return run_openai_client(base_url, name, requests, concurrency, on_finish=on_finish,
+                                 timeout_s=opts.request_timeout, payload=payload)
+
+    return Session(run, memory_pid, memory_kind, {**info, "served_model_name": name})
+
+
+def _resolved_dtype(opts: BenchOptions, device: str) -> str:
+    """The dtype our engine runs for ``opts.dtype`` on ``device`` ("auto" resolved as
+    ``EngineConfig`` resolves it), e.g. ``"float32"``."""
+    from minivllm.config import ModelConfig, resolve_dtype, resolve_model_path
+
+    mc = ModelConfig.from_pretrained(resolve_model_path(opts.model))
+    return str(resolve_dtype(opts.dtype, device, mc)).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def _transformers_serve(opts: BenchOptions, device: str) -> Iterator[Session | None]:
+    """``transformers serve --continuous-batching``: the run's dtype (as our engine resolves
+    it), and on the CPU as many KV token slots as our engine's pool. Its prompts must
+    be text: each workload prompt is decoded by the checkpoint's tokenizer (before the clock
+    starts), and the server's ``usage`` reports the tokens it really saw."""
+    missing = transformers_serve_missing()
+    if missing:
+        print(f"skipping transformers-serve: `transformers serve` needs {', '.join(missing)} "
+              f"(pip install {' '.join(missing)})")
+        yield None
+        return
+    import torch
+    from transformers import AutoTokenizer
+
+    from minivllm.config import EngineConfig, ModelConfig, resolve_model_path
+
+    path = str(resolve_model_path(opts.model))
+    dtype = _resolved_dtype(opts, device)
+    num_blocks = max_batch_tokens = None
+    if not device.startswith("cuda"):
+        config = EngineConfig(model=path, **opts.engine_options)
+        num_blocks, max_batch_tokens = transformers_serve_kv(ModelConfig.from_pretrained(path),
+                                                             getattr(torch, dtype), config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def payload(model: str, request: BenchRequest) -> dict:  # built before the clock starts
+        return text_completion_payload(model, tokenizer.decode(request.prompt_token_ids),
+                                       request.output_len)
+
+    port = free_port()
+    cmd = transformers_serve_command(path, port, dtype, device, num_blocks, max_batch_tokens)
+    kind = "cuda_device_used" if device.startswith("cuda") else "rss"
+    with running_server(cmd, f"http://127.0.0.1:{port}", "transformers-serve") as proc:
+        yield _http_session(f"http://127.0.0.1:{port}/v1", path, opts, proc.pid, kind,
+                            {"device": device, "dtype": dtype, "command": cmd,
+                             "kv_cache": {"num_blocks": num_blocks,
+                                          "block_size": TRANSFORMERS_PAGE_SIZE,
+                                          "max_batch_tokens": max_batch_tokens},
+                             "batching": "continuous"}, payload)
+
+
+@contextlib.contextmanager
+def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
+    """Start engine ``name``; yields None (after saying why) when it cannot run here."""
+    import torch
+
+    from minivllm.config import EngineConfig, resolve_device
+
+    device = str(resolve_device(opts.device))
+    memory_kind = "cuda_reserved" if device.startswith("cuda") else "rss"
+    if name == "minivllm":
+        from minivllm.engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig(model=opts.model, dtype=opts.dtype, device=opts.device,
+                                        **opts.engine_options))
+        info = {"device": device, "dtype": str(engine.dtype).removeprefix("torch."),
+                "engine_options": dataclasses.asdict(engine.config),
+                "attention_backend": engine.config.attention_backend,
+                "compile": getattr(engine, "decoder", None) is not None,  # as resolved (M7)
+                "compile_seconds": getattr(engine, "compile_seconds", 0.0),
+                "num_kv_blocks": engine.num_blocks}
+        yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb),
+                      os.getpid(), memory_kind, info)
+    elif name == "transformers":
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+
+        from minivllm.config import ModelConfig, resolve_dtype, resolve_model_path
+
+        logging.set_verbosity_error()  # generate() warns about sampling fields we turn off
+        path = resolve_model_path(opts.model)
+        dtype = resolve_dtype(opts.dtype, device, ModelConfig.from_pretrained(path))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        pad = model.generation_config.pad_token_id or model.config.eos_token_id or 0
+        pad = pad[0] if isinstance(pad, list) else pad
+        info = {"device": device, "dtype": str(dtype).removeprefix("torch."),
+                "attn_implementation": model.config._attn_implementation,
+                "batching": "static, left-padded"}
+        yield Session(lambda reqs, c, cb: generate_static_batches(model, reqs, c, pad,
+                                                                  on_finish=cb),
+                      os.getpid(), memory_kind, info)
+    elif name == "minivllm-server":
+        port = free_port()
+        cmd = minivllm_server_command(opts.model, port, opts.dtype, opts.device,
+                                      opts.engine_options)
+        kind = "cuda_device_used" if device.startswith("cuda") else "rss"
+        with running_server(cmd, f"http://127.0.0.1:{port}", name) as proc:
+            # the dtype the server resolves "auto" to: the same EngineConfig rule as ours
+            yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid, kind,
+                                {"device": device, "dtype": _resolved_dtype(opts, device),
+                                 "command": cmd, "engine_options": opts.engine_options})
+    elif name == "transformers-serve":
+        with _transformers_serve(opts, device) as session:
+            yield session
+    elif name == "openai":
+        if not opts.base_url:
+            print("skipping openai: no --base-url given")
+            yield None
+        else:
+            yield _http_session(opts.base_url, opts.model, opts, None, None,
+                                {"base_url": opts.base_url})
+    elif name == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            print("skipping vllm: it needs the vllm package and a CUDA GPU "
+                  f"(vllm importable: {importlib.util.find_spec('vllm') is not None}, "
+                  f"CUDA: {torch.cuda.is_available()})")
+            yield None
+            return
+        port = free_port()
+        cmd = vllm_command(opts.model, port, opts.dtype, opts.seed, opts.engine_options)
+        with running_server(cmd, f"http://127.0.0.1:{port}", name) as proc:
+            yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid,
+                                "cuda_device_used", {"device": "cuda", "dtype": opts.dtype,
+                                                     "command": cmd})
+    else:
+        raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
