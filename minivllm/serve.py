@@ -631,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()  # loads (and warms up) the model in the thread that will step it
     if os.environ.get("MINIVLLM_FAULT_INJECT"):  # tests only: see inject_faults
         inject_faults(engine.engine, os.environ["MINIVLLM_FAULT_INJECT"])
+    if os.environ.get("MINIVLLM_TEST_HOLD_FILE"):  # tests only: see hold_while
+        hold_while(engine.engine, os.environ["MINIVLLM_TEST_HOLD_FILE"])
     app = build_app(engine, names, f"minivllm serving {names[0]} on http://{args.host}:{args.port}",
                     server_options(args))
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
@@ -669,6 +671,23 @@ def inject_faults(engine: LLMEngine, marker: str) -> None:
         return run_model(scheduled)
 
     engine._run_model = run_model_or_fail
+
+
+def hold_while(engine: LLMEngine, path: str) -> None:
+    """TEST ONLY (``MINIVLLM_TEST_HOLD_FILE=<path>``): while the file ``path`` exists and a
+    sequence is running, ``LLMEngine.step`` computes nothing (it waits 10 ms and returns no
+    output). New requests are still admitted to the waiting queue, so a test holds the server
+    at a known point (one running, others waiting) instead of racing it on a fast machine."""
+    step = engine.step
+    logger.warning("test hold is on: the engine pauses while %s exists", path)
+
+    def step_or_hold():
+        if engine.scheduler.running and os.path.exists(path):
+            time.sleep(0.01)
+            return []
+        return step()
+
+    engine.step = step_or_hold
 
 
 if __name__ == "__main__" and "get_ipython" not in globals():  # not in the notebook

@@ -7,7 +7,9 @@ reference runs in this process:
   and the test-only fault hook (``MINIVLLM_FAULT_INJECT``: a prompt holding the marker
   raises inside the engine thread);
 * ``narrow``: one sequence at a time and ``--max-waiting-requests 2``, for back-pressure
-  and for SIGTERM (drain, 503 for newcomers, exit 0).
+  and for SIGTERM (drain, 503 for newcomers, exit 0), with the test-only hold hook
+  (``MINIVLLM_TEST_HOLD_FILE``: while the file exists the engine steps nothing), so the
+  test holds it at a known point instead of racing it.
 
 The long soak is ``python bench/load_test.py --requests 1000 --concurrency 64 --rounds 2``;
 here the same functions run one small round.
@@ -50,13 +52,14 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
     main = lt.Server(lt.ENGINE, MAIN_ARGS, {"MINIVLLM_FAULT_INJECT": MARKER},
                      logs / "main.log").start()
+    hold = logs / "hold"
     narrow = lt.Server(NARROW, ("--max-waiting-requests", "2", "--drain-timeout", "60"),
-                       log_path=logs / "narrow.log").start()
+                       {"MINIVLLM_TEST_HOLD_FILE": str(hold)}, logs / "narrow.log").start()
     try:
         expected = lt.expected_outputs(SPECS)  # while both servers load
         main.wait_ready()
         narrow.wait_ready()
-        yield {"main": main, "narrow": narrow, "expected": expected}
+        yield {"main": main, "narrow": narrow, "expected": expected, "hold": hold}
     finally:
         status = main.stop()
         narrow.stop()
@@ -180,8 +183,10 @@ def test_injected_engine_fault_fails_alone(main, expected):
 def test_waiting_bound_and_sigterm_drain(servers):
     """--max-waiting-requests 2 with one running sequence: the 4th concurrent request gets a
     503. Then SIGTERM: /health and new requests get 503, the streams in flight finish whole,
-    and the process exits 0."""
-    server = servers["narrow"]
+    and the process exits 0. The engine is held (it steps nothing) from the first stream's
+    first step until after SIGTERM: on a fast machine the 60-token stream used to finish,
+    and a waiting request be admitted, before the 4th request arrived (a 200, not a 503)."""
+    server, hold = servers["narrow"], servers["hold"]
     long = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True,
             "temperature": 0, "stream": True}
     outcomes: dict[int, list[str]] = {}
@@ -197,22 +202,27 @@ def test_waiting_bound_and_sigterm_drain(servers):
             time.sleep(0.02)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
-    threads[0].start()
-    wait_for("num_running", 1)
-    threads[1].start()
-    threads[2].start()
-    wait_for("num_waiting", 2)
-    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=None)
-    _assert_error(r, 503, "--max-waiting-requests 2")
-    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    hold.touch()
+    try:
+        threads[0].start()
+        wait_for("num_running", 1)  # its first step ran; the engine now holds
+        threads[1].start()
+        threads[2].start()
+        wait_for("num_waiting", 2)
+        r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=None)
+        _assert_error(r, 503, "--max-waiting-requests 2")
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert httpx.get(server.url + "/stats").json()["num_running"] == 1  # still held
 
-    server.proc.terminate()  # SIGTERM while three streams are in flight
-    deadline = time.monotonic() + 10
-    while httpx.get(server.url + "/health").status_code != 503:
-        assert time.monotonic() < deadline, "SIGTERM did not start draining"
-        time.sleep(0.02)
-    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=None)
-    _assert_error(r, 503, "shutting down")
+        server.proc.terminate()  # SIGTERM while three streams are in flight
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "SIGTERM did not start draining"
+            time.sleep(0.02)
+        r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers=None)
+        _assert_error(r, 503, "shutting down")
+    finally:
+        hold.unlink()  # let the three streams run to their end
     for t in threads:
         t.join(120)
     assert server.proc.wait(60) == 0, server.log()
