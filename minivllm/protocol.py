@@ -24,10 +24,10 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from minivllm.engine import CompletionOutput, RequestOutput
 from minivllm.sampling import SamplingParams
@@ -90,6 +90,14 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo):
+        """As vLLM answers: stream_options means nothing without a stream, so it is an error."""
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -155,7 +163,9 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    # The OpenAI API's roles. Qwen's template renders any role verbatim, so a typo ("usr")
+    # would silently change the prompt: refuse it instead (a 400 naming the field).
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
     def for_template(self) -> dict:

@@ -237,6 +237,12 @@ BAD = {
     "chat: messages not a list": ({"messages": "hi"}, "messages"),
     "chat: top_logprobs without logprobs": (
         {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    "stream_options without stream": (
+        {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    "chat: stream_options with stream false": (
+        {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}},
+        "stream_options"),
+    "chat: unknown role": ({"messages": [{"role": "usr", "content": "hi"}]}, "messages.0.role"),
 }
 
 
