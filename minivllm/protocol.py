@@ -378,18 +378,53 @@ def completion_job(body: CompletionRequest, tokenizer: Tokenizer, max_model_len:
                body.include_usage)
 
 
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                chat_template_kwargs: dict | None) -> list[int]:
+    """The prompt ids of a conversation, through the model's own chat template."""
+    try:
+        text = tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                             add_generation_prompt, **(chat_template_kwargs or {}))
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
+    return encode(tokenizer, text, "messages")
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("give either prompt or messages", param="prompt")
+        if self.prompt is not None:
+            return encode(tokenizer, self.prompt, "prompt")
+        return render_chat(tokenizer, self.messages, self.add_generation_prompt,
+                           self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def chat_job(body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
              model: str) -> Job:
     """Render the messages through the chat template and check every field."""
     if not body.messages:
         raise OpenAIError("messages must not be empty", param="messages")
-    messages = [m.for_template() for m in body.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, body.add_generation_prompt,
-                                             **(body.chat_template_kwargs or {}))
-    except (jinja2.TemplateError, TypeError, ValueError) as e:
-        raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
-    prompt_ids = encode(tokenizer, text, "messages")
+    prompt_ids = render_chat(tokenizer, body.messages, body.add_generation_prompt,
+                             body.chat_template_kwargs)
     max_tokens = check_length(len(prompt_ids), body.requested_max_tokens(), max_model_len)
     num_logprobs = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_logprobs)

@@ -40,13 +40,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+import minivllm
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine, RequestOutput
 from minivllm.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Job,
     OpenAIError,
+    TokenizeRequest,
     chat_job,
     completion_job,
     merge_outputs,
@@ -550,6 +553,23 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
     @app.get("/stats")
     async def stats() -> dict:
         return engine.stats
+
+    @app.post("/tokenize")  # vLLM's extra endpoints: outside /v1, as vLLM serves them
+    async def tokenize(body: TokenizeRequest) -> dict:
+        model_name(body.model)
+        ids = body.prompt_ids(tokenizer)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        model_name(body.model)
+        if any(not 0 <= t < engine.vocab_size for t in body.tokens):
+            raise OpenAIError(f"tokens must be in [0, {engine.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": minivllm.__version__}
 
     return app
 

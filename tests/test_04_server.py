@@ -347,3 +347,31 @@ def test_engine_is_built_in_the_thread_that_steps_it(tiny_model):
     broken = AsyncEngine(lambda: LLMEngine(EngineConfig(model="/nonexistent/checkpoint")))
     with pytest.raises(FileNotFoundError):
         broken.start()
+
+
+def test_tokenize_detokenize_and_version(server):
+    """Guards: vLLM's /tokenize, /detokenize and /version missing (clients count prompt tokens
+    and check a server's version through them), or counting a chat prompt differently from
+    what /v1/chat/completions bills."""
+    from minivllm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(MODEL)
+    r = httpx.post(f"{server}/tokenize", json={"model": NAME, "prompt": PROMPTS[1]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(PROMPTS[1]) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    chat = httpx.post(f"{server}/tokenize", json={"messages": CHAT}).json()
+    billed = httpx.post(f"{server}/v1/chat/completions",
+                        json={"messages": CHAT, **GREEDY}).json()["usage"]["prompt_tokens"]
+    assert chat["count"] == billed == len(chat["tokens"])
+    back = httpx.post(f"{server}/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": PROMPTS[1]}
+    assert httpx.get(f"{server}/version").json() == {"version": minivllm.__version__}
+    _assert_error(httpx.post(f"{server}/tokenize", json={}), 400, "prompt or messages")
+    _assert_error(httpx.post(f"{server}/tokenize", json={"prompt": "a", "messages": CHAT}), 400,
+                  "prompt or messages")
+    _assert_error(httpx.post(f"{server}/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    _assert_error(httpx.post(f"{server}/tokenize", json={"model": "nope", "prompt": "a"}), 404,
+                  "nope")
+    _still_serving(server)
