@@ -127,8 +127,10 @@ class LLMEngine:
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        why = auto_dtype(self.device, self.model_config)[1] if config.dtype == "auto" else "asked"
+        if config.dtype == "auto":  # what the device does well, and why (for the log)
+            self.dtype, why = auto_dtype(self.device, self.model_config)
+        else:
+            self.dtype, why = resolve_dtype(config.dtype, self.device, self.model_config), "asked"
         logger.info("model %s on %s in %s (%s)", path, self.device, str(self.dtype)[6:], why)
         self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.tokenizer = Tokenizer.from_pretrained(path)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from minivllm.config import NATIVE_BF16_FLAGS
+
 BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
 
 
@@ -174,7 +176,7 @@ def _version(package: str) -> str | None:
 # they are converted to float32 and back, slower than float32 itself).
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # last 3: Arm
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+BF16_FLAGS = NATIVE_BF16_FLAGS  # the rule dtype="auto" follows, so the record says what it saw
 
 
 def cpu_features(cpuinfo: str | None = None) -> dict:
