@@ -180,9 +180,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in hardware
-# Below this many parameters a decode step is bound by per-op overhead, not by streaming the
-# weights, and bf16 only adds conversions: the 4 M-parameter bundled model decodes 0.63x as
-# fast in bf16 as in fp32 on an AMX CPU, the 494 M-parameter Qwen2.5-0.5B shape 2-2.8x faster.
+# Below this many parameters a one-user decode step is bound by per-op overhead, not by
+# streaming the weights, and bf16 only adds conversions: on an AMX CPU the 4 M-parameter
+# bundled model decodes one request 0.77x as fast in bf16 as in fp32, while 32 requests of
+# the 494 M-parameter Qwen2.5-0.5B shape run 2.2x faster (docs/decisions.md).
 BF16_MIN_PARAMETERS = 100_000_000
 
 
