@@ -3,7 +3,7 @@
 
 """The OpenAI wire format: request models, errors, response bodies and Server-Sent Events.
 
-Built in notebook 04_openai_server. ``serve.py`` speaks HTTP; this module only knows what
+Built in notebook 04_openai_server. ``server/`` speaks HTTP; this module only knows what
 goes over the wire, shaped like vLLM's OpenAI server so that the ``openai`` client and
 ``vllm bench serve`` work unchanged:
 

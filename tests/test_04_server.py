@@ -308,7 +308,7 @@ def test_cli_defaults_are_the_engine_config_defaults():
     import dataclasses
 
     from minivllm.config import EngineConfig
-    from minivllm.serve import engine_config, parse_args
+    from minivllm.server.cli import engine_config, parse_args
 
     args = parse_args([])
     defaults = EngineConfig()
@@ -326,7 +326,7 @@ def test_engine_is_built_in_the_thread_that_steps_it(tiny_model):
     model decoded 30% slower); and a failed load hanging start() instead of raising."""
     from minivllm.config import EngineConfig
     from minivllm.engine import LLMEngine
-    from minivllm.serve import AsyncEngine
+    from minivllm.server.engine_thread import AsyncEngine
 
     built_in = []
 

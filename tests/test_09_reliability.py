@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minivllm.serve import parse_args
+from minivllm.server.cli import parse_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import load_test as lt  # bench/ is not a package
