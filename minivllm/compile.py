@@ -25,6 +25,7 @@ there and their outputs are dropped. Prefill stays eager.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -34,6 +35,8 @@ import torch
 
 from minivllm.attention import attend_group, gather_blocks
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
+
+logger = logging.getLogger("minivllm.compile")
 
 
 def compile_enabled_by_default() -> bool:
@@ -185,15 +188,30 @@ class CompiledDecoder:
         start = time.perf_counter()
         shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
         for rows, width in [*shapes, (2, 2), (3, 3)]:
+            shape_start = time.perf_counter()
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
             logits = self.logits(batch)
             noise = torch.ones(rows, vocab_size, device=self.device)
             for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)):
                 self.sample(logits, [params] * rows, noise)
-        if self.on_cuda:
-            torch.cuda.synchronize(self.device)
+            if self.on_cuda:
+                torch.cuda.synchronize(self.device)
+            logger.info("compile warm-up: batch %d%s, block table %d: %.1f s", rows,
+                        "" if rows == 1 else "+ (dynamic)", width, time.perf_counter() - shape_start)
         self.compile_seconds = time.perf_counter() - start
+        logger.info("compiled the decode step in %.1f s (inductor's cache: %s)",
+                    self.compile_seconds, _inductor_cache_dir())
         return self.compile_seconds
+
+
+def _inductor_cache_dir() -> str:
+    """Where inductor keeps compiled kernels between runs (a second start reuses them)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 -- private API: the log line only
+        return "unknown"
 
 
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to one request (vLLM's names; ``time.monotonic()`` seconds).
+
+    Queue time is ``first_scheduled_time - arrival_time``, time to first token
+    ``first_token_time - arrival_time``; the server's ``/metrics`` histograms read them.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after a step (vLLM's shape)."""
 
@@ -73,6 +89,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    metrics: RequestMetrics | None = None
 
 
 @dataclass
@@ -84,6 +101,7 @@ class EngineStats:
     max_batched_tokens: int = 0  # most tokens in one forward pass
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0  # prompt tokens that ran through the model
+    num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_generated_tokens: int = 0
 
@@ -104,6 +122,7 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    metrics: RequestMetrics
 
 
 def attention_backend(name: str):
@@ -132,7 +151,11 @@ class LLMEngine:
         else:
             self.dtype, why = resolve_dtype(config.dtype, self.device, self.model_config), "asked"
         logger.info("model %s on %s in %s (%s)", path, self.device, str(self.dtype)[6:], why)
+        started = time.perf_counter()
         self.model = load_model(path, dtype=self.dtype, device=self.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("loaded the weights: %.2f GiB in %.1f s", weight_bytes / 2**30,
+                    time.perf_counter() - started)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.eos_token_ids = read_eos_token_ids(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -146,6 +169,11 @@ class LLMEngine:
                                 self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        pool_tokens = self.num_blocks * config.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); it holds %.1f "
+                    "sequences of max_model_len %d at once", self.num_blocks, config.block_size,
+                    pool_tokens, self.pool.kv.numel() * self.pool.kv.element_size() / 2**30,
+                    pool_tokens / self.max_model_len, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_token_ids)
@@ -201,8 +229,13 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ValueError (and changes nothing) if it is invalid."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) if it is invalid.
+
+        ``arrival_time`` (``time.monotonic()``) is when the request arrived, if earlier than
+        now (the server passes the moment the HTTP request came in).
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -219,7 +252,8 @@ class LLMEngine:
         for index in range(params.n):
             parent = seqs[0] if seqs and self.config.enable_prefix_caching else None
             seqs.append(Sequence(next(self._seq_ids), request_id, ids, params, index, parent))
-        self.requests[request_id] = _Request(request_id, text, ids, seqs)
+        self.requests[request_id] = _Request(
+            request_id, text, ids, seqs, RequestMetrics(arrival_time or time.monotonic()))
         for seq in seqs:
             self._text[seq.seq_id] = _TextState(IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens))
@@ -249,8 +283,12 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(plan.scheduled))
         self.stats.max_batched_tokens = max(self.stats.max_batched_tokens, plan.num_batched_tokens)
+        now = time.monotonic()
         for seq in plan.admitted:
+            self.stats.num_prefix_queried_tokens += seq.num_prompt_tokens
             self.stats.num_prefix_cached_tokens += seq.num_cached_tokens
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
         sampled = self._run_model(plan.scheduled)
         progressed = self.scheduler.postprocess(plan.scheduled, sampled)
         self.stats.num_generated_tokens += len(progressed)
@@ -372,14 +410,18 @@ class LLMEngine:
     def _outputs(self, progressed: list[Sequence]) -> list[RequestOutput]:
         for seq in progressed:
             self._update_text(seq)
-        outputs = []
+        outputs, now = [], time.monotonic()
         for request_id in dict.fromkeys(seq.request_id for seq in progressed):
             request = self.requests[request_id]
             finished = all(s.is_finished for s in request.seqs)
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.finished_time = now if finished else None
             outputs.append(RequestOutput(
                 request_id, request.prompt, request.prompt_token_ids,
                 [self._completion(s) for s in request.seqs], finished,
-                num_cached_tokens=request.seqs[0].num_cached_tokens))
+                num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=metrics))
             if finished:
                 del self.requests[request_id]
                 for s in request.seqs:

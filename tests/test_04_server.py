@@ -51,7 +51,7 @@ def started(tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "minivllm.serve", "--port", str(port), "--log-level",
-           "warning", *(["--model", MODEL] if MODEL != minivllm.TINY_MODEL else []),
+           "info", *(["--model", MODEL] if MODEL != minivllm.TINY_MODEL else []),
            *_cli_options()]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -76,6 +76,7 @@ def started(tmp_path_factory):
     text = log_path.read_text()
     assert status == 0, f"server exited with {status} on SIGTERM:\n{text}"
     assert f"minivllm serving {NAME} on {url}" in text
+    _assert_startup_log(text)
 
 
 @pytest.fixture(scope="module")
@@ -375,3 +376,148 @@ def test_tokenize_detokenize_and_version(server):
     _assert_error(httpx.post(f"{server}/tokenize", json={"model": "nope", "prompt": "a"}), 404,
                   "nope")
     _still_serving(server)
+
+
+def _assert_startup_log(text: str) -> None:
+    """Guards: a start-up that prints nothing for a minute (the compile warm-up), and no
+    record of finished requests: one line per stage, in the server's log format, and the
+    request log."""
+    lines = text.splitlines()
+
+    def line(fragment: str) -> str:
+        hits = [x for x in lines if fragment in x]
+        assert hits, f"no log line with {fragment!r}:\n{text[:3000]}"
+        return hits[0]
+
+    assert " in float32 (" in line("minivllm.engine: model ")  # path, device, dtype and why
+    assert "GiB in" in line("minivllm.engine: loaded the weights: ")
+    kv = line("minivllm.engine: KV cache: ")
+    assert f"{ENGINE['num_blocks']} blocks of {ENGINE['block_size']} tokens" in kv
+    assert f"max_model_len {MAX_MODEL_LEN}" in kv
+    if os.environ.get("MINIVLLM_COMPILE", "1") != "0":  # the suite runs eager (conftest.py);
+        assert line("minivllm.compile: compile warm-up: batch 1")  # test_07 checks these
+        assert line("minivllm.compile: compiled the decode step in ")
+    done = line("minivllm.server: request ")
+    assert "prompt " in done and "ttft " in done and "finish " in done
+
+
+def _metrics(server) -> dict[tuple[str, tuple], float]:
+    """The /metrics page parsed by prometheus_client: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def _metric(page: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted({"model_name": NAME, **labels}.items())))
+    return page.get(key, 0.0)
+
+
+def _wait_idle(server) -> dict:
+    deadline = time.monotonic() + 30
+    while (stats := _stats(server))["num_requests_in_flight"] or stats["num_running"]:
+        assert time.monotonic() < deadline, f"server not idle: {stats}"
+        time.sleep(0.05)
+    return stats
+
+
+def test_metrics_agree_with_what_was_served(server, client):
+    """Guards: /metrics missing or drifting from the responses: the token counters must add
+    up the usage fields, finishes counted by reason, one latency sample per request."""
+    _wait_idle(server)
+    before = _metrics(server)
+    usages, reasons, num_requests = [], [], 0
+    out = client.completions.create(model=NAME, prompt=PROMPTS[:2], **GREEDY)  # 2 requests
+    usages.append(out.usage)
+    reasons += [c.finish_reason for c in out.choices]
+    num_requests += 2
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, n=2, temperature=1.0,
+                                          seed=3, max_tokens=6)
+    usages.append(chat.usage)
+    reasons += [c.finish_reason for c in chat.choices]
+    num_requests += 1
+    stream = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    usages.append(chunks[-1].usage)
+    reasons += [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    num_requests += 1
+    _wait_idle(server)
+    after = _metrics(server)
+
+    def delta(name: str, **labels) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    for reason in set(reasons):
+        assert delta("vllm:request_success_total", finished_reason=reason) == reasons.count(reason)
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_queue_time_seconds"):
+        assert delta(f"{histogram}_count") == num_requests, histogram
+        assert delta(f"{histogram}_sum") > 0, histogram
+    generated_steps = sum(u.completion_tokens for u in usages)  # n=2: 2 tokens per chat step
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") < generated_steps
+    assert _metric(after, "vllm:num_requests_running") == 0
+    assert _metric(after, "vllm:num_requests_waiting") == 0
+    assert 0.0 <= _metric(after, "vllm:kv_cache_usage_perc") <= 1.0
+
+
+def test_metrics_prefix_cache_and_gauges(server, client):
+    """Guards: the prefix-cache counters and the state gauges not following the engine: a
+    repeated prompt is a hit of its full blocks; a running stream shows in the gauges."""
+    stats = _wait_idle(server)
+    before = _metrics(server)
+    prompt = " ".join(["tensor"] * 70)  # several full blocks of 16 tokens
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=prompt, **GREEDY)
+    _wait_idle(server)
+    after = _metrics(server)
+    num_prompt = len(httpx.post(f"{server}/tokenize", json={"prompt": prompt}).json()["tokens"])
+    queries = (_metric(after, "vllm:prefix_cache_queries_total")
+               - _metric(before, "vllm:prefix_cache_queries_total"))
+    hits = (_metric(after, "vllm:prefix_cache_hits_total")
+            - _metric(before, "vllm:prefix_cache_hits_total"))
+    assert queries == 2 * num_prompt
+    assert hits >= (num_prompt - 1) // ENGINE["block_size"] * ENGINE["block_size"] > 0
+    assert _metric(after, "vllm:prefix_cache_hits_total") == _stats(server)[
+        "num_prefix_cached_tokens"]
+    assert _metric(after, "vllm:num_preemptions_total") == stats["num_preemptions"]
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(events)
+        running = _metrics(server)
+    assert _metric(running, "vllm:num_requests_running") == 1
+    assert _metric(running, "vllm:kv_cache_usage_perc") > 0
+    _wait_idle(server)
+    ended = _metrics(server)
+    assert (_metric(ended, "vllm:request_success_total", finished_reason="abort")
+            - _metric(running, "vllm:request_success_total", finished_reason="abort")) == 1
+    _still_serving(server)
+
+
+def test_metrics_need_no_api_key_but_v1_does(tiny_model):
+    """Guards: --api-key locking Prometheus out (vLLM guards only /v1/*), or leaving /v1 open."""
+    from starlette.testclient import TestClient
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+    from minivllm.server.app import build_app
+    from minivllm.server.engine_thread import AsyncEngine
+    from minivllm.server.guard import ServerOptions
+
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(
+        model=str(tiny_model), num_blocks=32, max_model_len=128, compile=False)))
+    engine.start()  # as `main` does: the app reads the model's path and length from it
+    app = build_app(engine, ["m"], options=ServerOptions(api_key="sekret"))
+    with TestClient(app) as http:
+        assert http.get("/metrics").status_code == 200
+        assert "vllm:num_requests_running" in http.get("/metrics").text
+        assert http.get("/v1/models").status_code == 401
+        ok = http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200

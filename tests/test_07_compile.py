@@ -62,8 +62,13 @@ def test_compiled_seeded_sampling_equals_eager(compiled_random, random_engine_mo
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
-def test_compiled_m1_parity_on_the_bundled_model(tiny_model):
-    llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512, compile=True)
+def test_compiled_m1_parity_on_the_bundled_model(tiny_model, caplog):
+    with caplog.at_level("INFO", logger="minivllm.compile"):
+        llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512, compile=True)
+    # the warm-up says what it is doing, shape by shape (a first start compiles for a minute)
+    warmups = [r.getMessage() for r in caplog.records if "compile warm-up: batch" in r.getMessage()]
+    assert len(warmups) == 4 and warmups[0].startswith("compile warm-up: batch 1,")
+    assert any(r.getMessage().startswith("compiled the decode step in ") for r in caplog.records)
     tok = llm.get_tokenizer()
     prompts = ["import os\n", "def parse(path):\n    ", "class Node:\n"]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))

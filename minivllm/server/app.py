@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 import minivllm
@@ -30,6 +30,7 @@ from minivllm.protocol import (
 )
 from minivllm.server.engine_thread import AsyncEngine
 from minivllm.server.guard import Guard, ServerOptions, error_response
+from minivllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm.server.streaming import final_outputs, stream_events
 from minivllm.tokenizer import Tokenizer
 
@@ -61,6 +62,8 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
     tokenizer = Tokenizer.from_pretrained(engine.model_path)  # the front end's own copy
     default_name = served_model_names[0]
     options = options or ServerOptions()
+    metrics = engine.metrics = ServerMetrics(default_name, lambda: engine.stats,
+                                             options.log_requests)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -138,6 +141,10 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
     @app.get("/stats")
     async def stats() -> dict:
         return engine.stats
+
+    @app.get("/metrics")  # open like /health (no API key), as in vLLM: counts, never text
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")  # vLLM's extra endpoints: outside /v1, as vLLM serves them
     async def tokenize(body: TokenizeRequest) -> dict:

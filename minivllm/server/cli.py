@@ -71,13 +71,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "many wait for the running batch (default: unbounded)")
     p.add_argument("--drain-timeout", type=float, default=limits.drain_timeout,
                    help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   default=not limits.log_requests, help="no info line per finished request")
     return p.parse_args(argv)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                          max_n=args.max_n, max_prompts_per_request=args.max_prompts_per_request,
-                         drain_timeout=args.drain_timeout)
+                         drain_timeout=args.drain_timeout,
+                         log_requests=not args.disable_log_requests)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

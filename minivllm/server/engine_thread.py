@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -86,6 +87,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
         self._build = engine if callable(engine) else None
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.metrics = None  # a ServerMetrics (build_app sets it), fed by the engine thread
         if self._build is None:
             self._attach(engine)
 
@@ -117,7 +119,8 @@ class AsyncEngine:
         submission = Submission([request_id for request_id, _, _ in requests])
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         loop = asyncio.get_running_loop()
-        self._commands.put(partial(self._add, requests, loop, submission.queue, added))
+        self._commands.put(partial(self._add, requests, loop, submission.queue, added,
+                                   time.monotonic()))
         try:
             await asyncio.wrap_future(added)
         except ValueError as e:
@@ -155,7 +158,8 @@ class AsyncEngine:
             else:
                 self.stats = self._snapshot()
 
-    def _add(self, requests, loop, out: asyncio.Queue, added: concurrent.futures.Future) -> None:
+    def _add(self, requests, loop, out: asyncio.Queue, added: concurrent.futures.Future,
+             arrival_time: float) -> None:
         """All of an HTTP request's engine requests, or none of them."""
         if self.max_waiting_requests is not None:  # back-pressure: refuse, do not queue
             waiting = {id(self._streams[s.request_id][1]) for s in self.engine.scheduler.waiting
@@ -168,7 +172,7 @@ class AsyncEngine:
                 return
         try:
             for request_id, prompt_ids, params in requests:
-                self.engine.add_request(request_id, prompt_ids, params)
+                self.engine.add_request(request_id, prompt_ids, params, arrival_time)
                 self._streams[request_id] = (loop, out)
         except Exception as e:  # noqa: BLE001 -- any failure fails this request only
             self._abort([request_id for request_id, _, _ in requests])
@@ -176,8 +180,11 @@ class AsyncEngine:
             return
         added.set_result(None)
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def _abort(self, request_ids: list[str], reason: str = "abort") -> None:
         for request_id in request_ids:
+            request = self.engine.requests.get(request_id)
+            if request is not None and self.metrics is not None:
+                self.metrics.record_end(request_id, len(request.seqs), reason)
             self.engine.abort_request(request_id)  # frees its KV blocks now
             self._streams.pop(request_id, None)
 
@@ -194,6 +201,8 @@ class AsyncEngine:
             batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
             return
+        if self.metrics is not None:
+            self.metrics.record_step(outputs)
         routed = self._route([(out.request_id, out) for out in outputs])
         for out in outputs:
             if out.finished:
@@ -220,7 +229,7 @@ class AsyncEngine:
 
     def _fail(self, request_ids: list[str], message: str) -> None:
         routed = self._route([(r, RequestFailed(r, message)) for r in request_ids])
-        self._abort(request_ids)
+        self._abort(request_ids, "error")
         self.stats = self._snapshot()
         self._send(routed)
 

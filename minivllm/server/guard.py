@@ -35,6 +35,7 @@ class ServerOptions:
     max_n: int = 16  # 400 above this
     max_prompts_per_request: int = 64  # 400 above this
     drain_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight
+    log_requests: bool = True  # an info line per finished request
 
 
 class Guard:
