@@ -35,7 +35,7 @@ class AttentionGroup:
 
     rows: torch.Tensor  # (B, Q) int64: row of each query in the flat batch (padding: 0)
     valid: torch.Tensor  # (B, Q) bool: which of those are real queries
-    block_tables: torch.Tensor  # (B, NB) int64, padded with block 0 (masked out)
+    block_tables: torch.Tensor  # (B, NB) int64, padded with md.pad_block (masked out)
     mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool: True = may attend
 
 
@@ -45,7 +45,9 @@ def build_group(md: AttentionMetadata, members: list[int], device: torch.device)
     max_q = max(q_lens)
     max_blocks = max(len(md.block_tables[b]) for b in members)
     rows = torch.zeros(len(members), max_q, dtype=torch.long)
-    tables = torch.zeros(len(members), max_blocks, dtype=torch.long)
+    # padding points at a block no sequence owns: a masked key still enters SDPA's sum as
+    # 0 x value, and 0 x NaN is NaN, so padding on a live block could leak one sequence's NaN
+    tables = torch.full((len(members), max_blocks), md.pad_block, dtype=torch.long)
     for i, b in enumerate(members):
         start = md.query_start_loc[b]
         rows[i, :q_lens[i]] = torch.arange(start, start + q_lens[i])

@@ -90,6 +90,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when processing this request failed: it alone was stopped
 
 
 @dataclass
@@ -163,8 +164,9 @@ class LLMEngine:
         check_pool_fits(self.num_blocks, config.block_size, self.max_model_len)
         mc = self.model_config
         use_compile = compile_enabled_by_default() if config.compile is None else config.compile
-        # a compiled decode step pads its batch with rows that write into one scratch block
-        self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks + int(use_compile),
+        # one block past the block manager's range that no sequence owns: padded block-table
+        # entries point at it, and a compiled decode step's padding rows write into it
+        self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks + 1,
                                 config.block_size, mc.num_key_value_heads, mc.head_dim,
                                 self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
@@ -188,6 +190,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._text: dict[int, _TextState] = {}
         self._seq_ids = itertools.count()
+        self._failed: dict[str, tuple[_Request, str]] = {}  # failed this step: id -> (request, why)
         if config.seed is not None:
             torch.manual_seed(config.seed)
 
@@ -290,7 +293,7 @@ class LLMEngine:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
         sampled = self._run_model(plan.scheduled)
-        progressed = self.scheduler.postprocess(plan.scheduled, sampled)
+        progressed = self.scheduler.postprocess(plan.scheduled, sampled, self._fail_seq)
         self.stats.num_generated_tokens += len(progressed)
         return self._outputs(progressed)
 
@@ -308,7 +311,8 @@ class LLMEngine:
                 sample_seqs.append(seq)
         metadata = AttentionMetadata.build(
             [s.block_table for s, _ in scheduled], [s.num_computed_tokens for s, _ in scheduled],
-            [n for _, n in scheduled], self.config.block_size, self.device)
+            [n for _, n in scheduled], self.config.block_size, self.device,
+            pad_block=self.num_blocks)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
         return as_tensor(input_ids), as_tensor(positions), metadata, as_tensor(sample_rows), sample_seqs
 
@@ -317,25 +321,74 @@ class LLMEngine:
         seqs = [seq for seq, _ in scheduled]
         banned = [self._banned_ids(s) for s in seqs]
         if self.decoder is not None and all(n == 1 for _, n in scheduled) and not any(banned):
-            out = self._decode_compiled(seqs)
+            batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
+                                 [s.block_table for s in seqs])
+            logits = self.decoder.logits(batch)  # (B, V): a pure decode step, compiled (M7)
+            sample = self._sample_compiled
         else:
             input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
             hidden = self.model(input_ids, positions, self.attention_cls(self.pool, metadata))
             if not seqs:
                 return {}
             logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
-            out = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                               [self._banned_ids(s) for s in seqs])
-        tokens = out.token_ids.tolist()
+            sample = self._sample_eager
+        out, seqs = self._sample_isolating_faults(sample, logits, seqs)
+        tokens = out.token_ids.tolist()  # -1: that row's logits were NaN or infinite
         if out.logprobs is not None:
             self._record_logprobs(seqs, tokens, out)
-        return {seq.seq_id: token for seq, token in zip(seqs, tokens)}
+        sampled = {}
+        for seq, token in zip(seqs, tokens):
+            if token < 0:
+                self._fail_request(seq.request_id, FloatingPointError(
+                    "the model's logits for this request are NaN or infinite"), scrub=True)
+            else:
+                sampled[seq.seq_id] = token
+        return sampled
 
-    def _decode_compiled(self, seqs: list[Sequence]) -> SamplerOutput:
-        """A pure decode step through the compiled pipeline (Milestone 7)."""
-        batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
-                             [s.block_table for s in seqs])
-        logits = self.decoder.logits(batch)  # (B, V)
+    def _sample_isolating_faults(self, sample, logits: torch.Tensor, seqs: list[Sequence]):
+        """Sample every row; a row whose sampling raises, or whose logits are not finite,
+        fails its own request and no other.
+
+        The batch is sampled at once; only if that raises are the rows tried one by one to
+        find the culprit(s), so a healthy batch pays one cheap check: a NaN anywhere in a
+        sequence's hidden state reaches every one of its logits through lm_head, so column 0
+        tells, and a NaN logit elsewhere would be greedy's argmax (torch ranks NaN highest).
+        """
+        states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
+
+        def rewind() -> None:  # a seeded request draws the same noise as in a clean run
+            for seq, state in zip(seqs, states):
+                if state is not None:
+                    seq.generator.set_state(state)
+
+        try:
+            out = sample(logits, seqs)
+        except Exception:  # noqa: BLE001 -- find the row(s) at fault, fail only their requests
+            healthy = []
+            for row, seq in enumerate(seqs):
+                rewind()
+                try:
+                    sample(logits[row:row + 1], [seq])
+                    healthy.append(row)
+                except Exception as e:  # noqa: BLE001
+                    self._fail_request(seq.request_id, e)
+            rewind()
+            if not healthy:
+                return SamplerOutput(logits.new_zeros(0, dtype=torch.long), None, None, None), []
+            seqs = [seqs[row] for row in healthy]
+            logits = logits[healthy]
+            out = sample(logits, seqs)
+        chosen = logits.gather(-1, out.token_ids.unsqueeze(-1)).squeeze(-1)  # (B,)
+        finite = logits[:, 0].isfinite() & chosen.isfinite()
+        out.token_ids = torch.where(finite, out.token_ids, -1)
+        return out, seqs
+
+    def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                            [self._banned_ids(s) for s in seqs])
+
+    def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample a compiled decode step's logits (Milestone 7)."""
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             tokens = logits.argmax(dim=-1)
@@ -359,6 +412,55 @@ class LLMEngine:
             if k > 0 and top_ids is not None:
                 entry.update(zip(top_ids[i][:k], top_lp[i][:k]))
             seq.logprobs.append(entry)
+
+    def _fail_request(self, request_id: str, error: Exception, scrub: bool = False) -> None:
+        """Stop one request whose processing raised (or whose logits were NaN) and free its
+        blocks; the step goes on for the others, and reports it with ``error`` set.
+
+        ``scrub``: its keys and values may hold NaN; its own blocks are zeroed and dropped
+        from the prefix cache before they return to the pool.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        logger.error("request %s failed, the others carry on: %r", request_id, error)
+        for seq in request.seqs:
+            if scrub:
+                self._scrub_blocks(seq)
+            self.scheduler.finish(seq, "abort")
+        self._failed[request_id] = (request, f"{type(error).__name__}: {error}")
+
+    def _fail_seq(self, seq: Sequence, error: Exception) -> None:
+        self._fail_request(seq.request_id, error)
+
+    def _scrub_blocks(self, seq: Sequence) -> None:
+        """Zero the blocks only this sequence holds and forget their prefix-cache entries."""
+        bm, size = self.block_manager, self.config.block_size
+        own = [b for b in seq.block_table if bm.blocks[b].ref_count == 1]
+        for block_id in own:
+            block = bm.blocks[block_id]
+            if block.hash is not None and bm.cached.get(block.hash) == block_id:
+                del bm.cached[block.hash]
+            block.hash, block.token_ids, block.parent = None, (), None
+        if own:
+            slots = (torch.tensor(own).unsqueeze(1) * size + torch.arange(size)).flatten()
+            self.pool.kv[:, :, slots.to(self.device)] = 0
+
+    def _failed_outputs(self) -> list[RequestOutput]:
+        """A final output, with ``error`` set, for each request that failed this step."""
+        outputs = []
+        for request_id, (request, message) in self._failed.items():
+            completions = []
+            for seq in request.seqs:
+                state = self._text.pop(seq.seq_id, None)
+                completions.append(CompletionOutput(
+                    seq.index, state.text if state else "", list(seq.output_token_ids),
+                    finish_reason="abort"))
+            outputs.append(RequestOutput(request_id, request.prompt, request.prompt_token_ids,
+                                         completions, True, metrics=request.metrics,
+                                         error=message))
+        self._failed.clear()
+        return outputs
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         """min_tokens: EOS and stop token ids may not be sampled until it is reached."""
@@ -408,25 +510,36 @@ class LLMEngine:
             delta_text=delta_text, delta_token_ids=delta_ids)
 
     def _outputs(self, progressed: list[Sequence]) -> list[RequestOutput]:
+        """One output per request that progressed, and one per request that failed."""
         for seq in progressed:
-            self._update_text(seq)
+            if seq.request_id in self.requests:
+                try:
+                    self._update_text(seq)
+                except Exception as e:  # noqa: BLE001 -- this request fails, not the step
+                    self._fail_request(seq.request_id, e)
         outputs, now = [], time.monotonic()
         for request_id in dict.fromkeys(seq.request_id for seq in progressed):
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:  # failed in this step
+                continue
+            try:
+                completions = [self._completion(s) for s in request.seqs]
+            except Exception as e:  # noqa: BLE001
+                self._fail_request(request_id, e)
+                continue
             finished = all(s.is_finished for s in request.seqs)
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             metrics.finished_time = now if finished else None
             outputs.append(RequestOutput(
-                request_id, request.prompt, request.prompt_token_ids,
-                [self._completion(s) for s in request.seqs], finished,
+                request_id, request.prompt, request.prompt_token_ids, completions, finished,
                 num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=metrics))
             if finished:
                 del self.requests[request_id]
                 for s in request.seqs:
                     self._text.pop(s.seq_id, None)
-        return outputs
+        return outputs + self._failed_outputs()
 
 
 class LLM:
@@ -464,6 +577,10 @@ class LLM:
         bar = _progress(len(ids)) if use_tqdm else None
         while len(final) < len(ids):
             for out in self.engine.step():
+                if out.error is not None:
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:

@@ -287,10 +287,14 @@ class AttentionMetadata:
     seq_lens: list[int]  # (B,) tokens in context after this step
     block_tables: list[list[int]]  # (B, *) each sequence's blocks
     block_size: int
+    # what padded block-table entries point at (Milestone 6 pads tables into rectangles):
+    # the engine passes a block that no sequence owns, so its slots never hold NaN
+    pad_block: int = 0
 
     @classmethod
     def build(cls, block_tables: list[list[int]], num_computed: list[int], num_new: list[int],
-              block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
+              block_size: int, device: str | torch.device = "cpu",
+              pad_block: int = 0) -> AttentionMetadata:
         """Metadata for sequences that have ``num_computed`` tokens cached and ``num_new`` new."""
         query_start_loc, slots = [0], []
         for table, start, n in zip(block_tables, num_computed, num_new):
@@ -302,6 +306,7 @@ class AttentionMetadata:
             seq_lens=[c + n for c, n in zip(num_computed, num_new)],
             block_tables=block_tables,
             block_size=block_size,
+            pad_block=pad_block,
         )
 
     @property

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -174,16 +175,19 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[tuple[Sequence, int]],
-                    sampled: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, scheduled: list[tuple[Sequence, int]], sampled: dict[int, int],
+                    on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
         """Advance the computed counts, append sampled tokens and retire finished sequences.
 
         ``sampled`` maps seq_id -> the token sampled for it (sequences that finished their
         prompt or decoded this step; a mid-prompt chunk samples nothing). Returns the
-        sequences that received a token.
+        sequences that received a token. A stop check that raises is handed to
+        ``on_error`` (the engine fails that request alone) instead of ending the step.
         """
         progressed = []
         for seq, n in scheduled:
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(
                 seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
@@ -191,8 +195,14 @@ class Scheduler:
                 continue
             token = sampled[seq.seq_id]
             seq.token_ids.append(token)
+            try:
+                reason = self.check_stop(seq, token)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(seq, e)
+                continue
             progressed.append(seq)
-            reason = self.check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, *reason)
         return progressed

@@ -4,8 +4,9 @@ Two real server processes on free loopback ports, started together while the off
 reference runs in this process:
 
 * ``main``: a small KV pool (requests wait for blocks), an API key, tight request limits,
-  and the test-only fault hook (``MINIVLLM_FAULT_INJECT``: a prompt holding the marker
-  raises inside the engine thread);
+  and the test-only fault hook (``MINIVLLM_FAULT_INJECT``: a prompt holding a point's marker
+  fails at that point of the engine step: the model call, sampling its row, its stop check,
+  detokenizing it, NaN logits);
 * ``narrow``: one sequence at a time and ``--max-waiting-requests 2``, for back-pressure
   and for SIGTERM (drain, 503 for newcomers, exit 0), with the test-only hold hook
   (``MINIVLLM_TEST_HOLD_FILE``: while the file exists the engine steps nothing), so the
@@ -39,7 +40,10 @@ import load_test as lt  # bench/ is not a package
 
 KEY = "test-key-9"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MARKER = "POISON-PILL-9"
+MARKER = "POISON-PILL-9"  # the model call
+POINT_MARKERS = {"model": MARKER, "sample": "SAMPLE-PILL-9", "stop": "STOP-PILL-9",
+                 "detokenize": "DETOK-PILL-9", "nan": "NAN-PILL-9"}
+FAULTS = ",".join(f"{point}:{marker}" for point, marker in POINT_MARKERS.items())
 MAX_BODY = 64 * 1024
 MAIN_ARGS = ("--api-key", KEY, "--max-n", "4", "--max-prompts-per-request", "8",
              "--max-body-bytes", str(MAX_BODY))
@@ -50,7 +54,7 @@ SPECS = lt.workload(120, seed=9)
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
-    main = lt.Server(lt.ENGINE, MAIN_ARGS, {"MINIVLLM_FAULT_INJECT": MARKER},
+    main = lt.Server(lt.ENGINE, MAIN_ARGS, {"MINIVLLM_FAULT_INJECT": FAULTS},
                      logs / "main.log").start()
     hold = logs / "hold"
     narrow = lt.Server(NARROW, ("--max-waiting-requests", "2", "--drain-timeout", "60"),
@@ -155,26 +159,33 @@ def test_random_point_disconnects_free_everything(main):
 
 
 def test_injected_engine_fault_fails_alone(main, expected):
-    """A request whose processing raises inside the engine thread gets an error (500 body,
-    or an SSE error event) while the requests batched with it all complete correctly."""
+    """A request whose processing fails inside the engine thread — at the model call, while
+    sampling its row, checking its stops, detokenizing, or with NaN logits — gets an error
+    (500 body, or an SSE error event) while the requests batched with it all complete
+    exactly as in a clean run, and every block comes back."""
     good = [s for s in SPECS if s.index in expected][:10]
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
-            poison = {"prompt": f"{MARKER} and more", "max_tokens": 30, "ignore_eos": True}
             tasks = [lt.send(client, main.url, s, AUTH) for s in good]
-            bad = client.post(main.url + "/v1/completions", json=poison, headers=AUTH)
-            bad_stream = client.post(main.url + "/v1/chat/completions", headers=AUTH, json={
-                "messages": [{"role": "user", "content": MARKER}], "max_tokens": 5,
-                "stream": True})
-            return await asyncio.gather(bad, bad_stream, *tasks)
+            bad = []
+            for marker in POINT_MARKERS.values():
+                bad.append(client.post(main.url + "/v1/completions", headers=AUTH, json={
+                    "prompt": f"{marker} and more", "max_tokens": 30, "ignore_eos": True}))
+                bad.append(client.post(main.url + "/v1/chat/completions", headers=AUTH, json={
+                    "messages": [{"role": "user", "content": marker}], "max_tokens": 5,
+                    "stream": True}))
+            return await asyncio.gather(*bad, *tasks)
 
-    bad, bad_stream, *results = asyncio.run(run())
-    _assert_error(bad, 500, "injected fault")
-    assert bad.json()["error"]["type"] == "InternalServerError"
-    events = [line[len("data: "):] for line in bad_stream.text.splitlines()
-              if line.startswith("data: ")]
-    assert any("injected fault" in e for e in events) and events[-1] == "[DONE]", events
+    results = asyncio.run(run())
+    bad, results = results[:2 * len(POINT_MARKERS)], results[2 * len(POINT_MARKERS):]
+    for point, plain, stream in zip(POINT_MARKERS, bad[::2], bad[1::2]):
+        why = "NaN or infinite" if point == "nan" else "injected fault"
+        _assert_error(plain, 500, why)
+        assert plain.json()["error"]["type"] == "InternalServerError"
+        events = [line[len("data: "):] for line in stream.text.splitlines()
+                  if line.startswith("data: ")]
+        assert any(why in e for e in events) and events[-1] == "[DONE]", (point, events)
     assert lt.compare(results, expected) == []
     _assert_idle(main)
     _still_serving(main)

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting_requests)
     engine.start()  # loads (and warms up) the model in the thread that will step it
     if os.environ.get("MINIVLLM_FAULT_INJECT"):  # tests only: see inject_faults
-        inject_faults(engine.engine, os.environ["MINIVLLM_FAULT_INJECT"])
+        for spec in os.environ["MINIVLLM_FAULT_INJECT"].split(","):  # point:marker,...
+            inject_faults(engine.engine, spec)
     if os.environ.get("MINIVLLM_TEST_HOLD_FILE"):  # tests only: see hold_while
         hold_while(engine.engine, os.environ["MINIVLLM_TEST_HOLD_FILE"])
     app = build_app(engine, names, f"minivllm serving {names[0]} on http://{args.host}:{args.port}",

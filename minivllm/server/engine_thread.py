@@ -201,9 +201,17 @@ class AsyncEngine:
             batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
             return
+        failed = [out for out in outputs if out.error is not None]  # the engine stopped these
+        outputs = [out for out in outputs if out.error is None]  # alone; the rest carry on
         if self.metrics is not None:
             self.metrics.record_step(outputs)
-        routed = self._route([(out.request_id, out) for out in outputs])
+            for out in failed:
+                self.metrics.record_end(out.request_id, len(out.outputs), "error")
+        routed = self._route([(out.request_id, out) for out in outputs] + [
+            (out.request_id, RequestFailed(out.request_id, f"processing the request failed: "
+                                                          f"{out.error}")) for out in failed])
+        for out in failed:
+            self._streams.pop(out.request_id, None)
         for out in outputs:
             if out.finished:
                 self._streams.pop(out.request_id, None)

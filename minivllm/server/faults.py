@@ -28,23 +28,69 @@ class InjectedFault(RuntimeError):
         self.request_id = request_id
 
 
-def inject_faults(engine: LLMEngine, marker: str) -> None:
-    """TEST ONLY (``MINIVLLM_FAULT_INJECT=<marker>``): running the model on a batch that holds
-    a request whose prompt contains ``marker`` raises ``InjectedFault`` inside the engine
-    thread, before anything is computed. The server must fail that request alone."""
-    run_model, poisoned = engine._run_model, {}
-    logger.warning("fault injection is on: prompts containing %r fail", marker)
+FAULT_POINTS = ("model", "sample", "stop", "detokenize", "nan")
 
-    def run_model_or_fail(scheduled):
-        for seq, _ in scheduled:
-            if seq.request_id not in poisoned:
-                prompt = engine.tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens])
-                poisoned[seq.request_id] = marker in prompt
-            if poisoned[seq.request_id]:
+
+def inject_faults(engine: LLMEngine, spec: str) -> None:
+    """TEST ONLY (``MINIVLLM_FAULT_INJECT=[<point>:]<marker>``): plant a fault at one point of
+    ``LLMEngine.step`` for every request whose prompt contains ``marker``:
+
+    * ``model`` (the default): running the model on a batch that holds such a request raises
+      ``InjectedFault`` before anything is computed (the server fails it and steps again);
+    * ``sample``: sampling its row raises; ``stop``: checking its stop conditions raises;
+      ``detokenize``: turning its new token into text raises;
+    * ``nan``: its logits are NaN.
+
+    Only that request may fail; the others in the same steps must carry on unchanged.
+    """
+    point, _, marker = spec.rpartition(":")
+    point = point or "model"
+    if point not in FAULT_POINTS:
+        raise ValueError(f"unknown fault point {point!r}; choose from {', '.join(FAULT_POINTS)}")
+    poisoned: dict[str, bool] = {}
+    logger.warning("fault injection is on: %s faults for prompts containing %r", point, marker)
+
+    def is_poisoned(seq) -> bool:
+        if seq.request_id not in poisoned:
+            prompt = engine.tokenizer.decode(seq.token_ids[:seq.num_prompt_tokens])
+            poisoned[seq.request_id] = marker in prompt
+        return poisoned[seq.request_id]
+
+    def fail_if_poisoned(seqs) -> None:
+        for seq in seqs:
+            if is_poisoned(seq):
                 raise InjectedFault(seq.request_id)
-        return run_model(scheduled)
 
-    engine._run_model = run_model_or_fail
+    if point == "model":
+        run_model = engine._run_model
+        engine._run_model = lambda scheduled: (fail_if_poisoned([s for s, _ in scheduled]),
+                                               run_model(scheduled))[1]
+    elif point == "sample":
+        sample_isolating = engine._sample_isolating_faults
+
+        def wrap(sample):
+            return lambda logits, seqs: (fail_if_poisoned(seqs), sample(logits, seqs))[1]
+
+        engine._sample_isolating_faults = lambda sample, logits, seqs: sample_isolating(
+            wrap(sample), logits, seqs)
+    elif point == "stop":
+        check_stop = engine.scheduler.check_stop
+        engine.scheduler.check_stop = lambda seq, token: (fail_if_poisoned([seq]),
+                                                          check_stop(seq, token))[1]
+    elif point == "detokenize":
+        update_text = engine._update_text
+        engine._update_text = lambda seq: (fail_if_poisoned([seq]), update_text(seq))[1]
+    else:  # nan
+        sample_isolating = engine._sample_isolating_faults
+
+        def poison_rows(sample, logits, seqs):
+            bad = [row for row, seq in enumerate(seqs) if is_poisoned(seq)]
+            if bad:
+                logits = logits.clone()
+                logits[bad] = float("nan")
+            return sample_isolating(sample, logits, seqs)
+
+        engine._sample_isolating_faults = poison_rows
 
 
 def hold_while(engine: LLMEngine, path: str) -> None:
