@@ -71,6 +71,14 @@ class _EngineState:
         yield family(CounterMetricFamily, "vllm:num_preemptions",
                      "Sequences preempted (their KV blocks freed, to be recomputed).",
                      s["num_preemptions"])
+        if "num_spec_proposed_tokens" in s:  # Milestone 8: speculative decoding
+            yield family(CounterMetricFamily, "vllm:spec_decode_num_drafts",
+                         "Proposals verified (one per sequence per step).",
+                         s["num_spec_verifications"])
+            yield family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens",
+                         "Tokens proposed.", s["num_spec_proposed_tokens"])
+            yield family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens",
+                         "Proposed tokens the target accepted.", s["num_spec_accepted_tokens"])
 
 
 class ServerMetrics:
