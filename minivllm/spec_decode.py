@@ -66,7 +66,7 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(spec, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+            raise TypeError(f"speculative_config must be a dict, got {type(spec).__name__}")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -270,7 +270,12 @@ class DraftModelProposer:
         """Free the draft blocks of sequences no longer running (finished or preempted)."""
         alive = {seq.seq_id for seq in running}
         for seq_id in [s for s in self.states if s not in alive]:
-            self.block_manager.free_blocks(self.states.pop(seq_id).block_table)
+            self.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.block_manager.free_blocks(state.block_table)
 
     def _reserve(self, seq, k: int) -> DraftState | None:
         """The sequence's draft state with room for its tokens and k - 1 proposals, or None."""
@@ -340,6 +345,9 @@ class NgramProposer:
 
     def release_departed(self, running) -> None:
         pass  # nothing kept per sequence
+
+    def release(self, seq_id: int) -> None:
+        pass
 
     def propose(self, wanted: list[tuple]) -> dict[int, list[int]]:
         c = self.config
@@ -500,6 +508,7 @@ class SpeculativeDecoder:
         self.proposer.after_verify(seq)
         if reason is not None:
             e.scheduler.finish(seq, *reason)
+            self.proposer.release(seq.seq_id)
         stats.num_generated_tokens += count
         stats.num_spec_verifications += 1
         stats.num_spec_proposed_tokens += len(draft)
