@@ -1,3 +1,6 @@
+# Generated from solutions/08_speculative_decoding.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Speculative decoding: guess several tokens cheaply, let the target check them in one pass.
 
 Built in notebook 08_speculative_decoding. At one user, a decode step reads every weight of
@@ -105,9 +108,6 @@ class SpeculativeConfig:
             raise ValueError("acceptance_window must be >= 1 and pause_steps >= 0")
 
 
-# ----------------------------------------------------------------------------- proposers
-
-
 def ngram_propose(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the
     longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens long); [] if none.
@@ -125,9 +125,6 @@ def ngram_propose(token_ids: list[int], k: int, max_n: int, min_n: int) -> list[
                     extended.append(extended[start + n + i])
                 return extended[length:]
     return []
-
-
-# ----------------------------------------------------------------------------- acceptance
 
 
 def greedy_accept(draft_ids: list[int], target_ids: list[int]) -> list[int]:
@@ -199,9 +196,6 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits.softmax(dim=-1)
 
 
-# ----------------------------------------------------------------------------- rollback
-
-
 def rollback(block_manager: BlockManager, block_table: list[int], num_computed_tokens: int) -> None:
     """Give back the blocks past the ``num_computed_tokens`` whose keys and values are valid.
 
@@ -215,9 +209,6 @@ def rollback(block_manager: BlockManager, block_table: list[int], num_computed_t
     tail = block_table[keep:]
     del block_table[keep:]
     block_manager.free_blocks(tail)
-
-
-# ----------------------------------------------------------------------------- draft model
 
 
 @dataclass
@@ -356,9 +347,6 @@ class NgramProposer:
 
     def after_verify(self, seq) -> None:
         pass
-
-
-# ----------------------------------------------------------------------------- the engine step
 
 
 class SpeculativeDecoder:

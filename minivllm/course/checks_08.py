@@ -40,6 +40,8 @@ NGRAM_CASES = [  # (token_ids, k, max_n, min_n, expected, why)
     ([1, 2, 3, 4, 5], 3, 2, 1, [], "every token is new: no proposal"),
     ([8, 1, 2, 3, 8, 1, 2], 1, 4, 1, [3], "k = 1: one token"),
     ([9, 1, 2, 5, 6, 1, 2, 7, 0, 1, 2], 3, 2, 1, [7, 0, 1], "latest occurrence, k = 3"),
+    ([1, 2, 3, 7, 5, 3, 8, 1, 2, 3], 1, 3, 1, [7],
+     "the longest suffix wins: [1, 2, 3] (followed by 7) beats the later [3] (followed by 8)"),
 ]
 
 NGRAM_HINT = ("for n from min(max_n, len - 1) down to min_n: take the last n tokens; scan the "
@@ -48,7 +50,7 @@ NGRAM_HINT = ("for n from min(max_n, len - 1) down to min_n: take the last n tok
 
 
 def check_ngram_propose(ngram_propose) -> None:
-    """Exercise 8.1: prompt lookup on ten hand-worked cases."""
+    """Exercise 8.1: prompt lookup on eleven hand-worked cases."""
     what = "Exercise 8.1 (ngram_propose)"
     for token_ids, k, max_n, min_n, expected, why in NGRAM_CASES:
         got = call_learner(what, ngram_propose, list(token_ids), k, max_n, min_n, hint=NGRAM_HINT)
