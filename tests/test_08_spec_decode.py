@@ -297,3 +297,37 @@ def test_low_acceptance_pauses_a_sequence(seeded_draft):
     llm = LLM(TINY_MODEL, speculative_config=spec, **OPTIONS)
     llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     assert llm.engine.stats.num_spec_verifications <= 2
+
+
+# ----------------------------------------------------------------------------- bench and server
+
+
+def test_the_repetitive_workload_repeats_a_span():
+    from minivllm.bench.metrics import make_workload
+
+    requests = make_workload("repetitive", 3, 40, 8, vocab_size=1000)
+    for r in requests:
+        ids = r.prompt_token_ids
+        assert len(ids) == 40 and r.output_len == 8 and ids[:10] * 4 == ids
+
+
+def test_a_bench_variant_and_the_server_flag_carry_a_speculative_config():
+    from minivllm.bench.engines import parse_engine_spec
+    from minivllm.bench.harness import stats_delta
+    from minivllm.bench.servers import serve_flags
+    from minivllm.serve import engine_config, parse_args
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    name, _, options = parse_engine_spec(f"minivllm[compile=False,speculative_config="
+                                         f"{json.dumps(spec)}]")
+    assert (name, options) == ("minivllm", {"compile": False, "speculative_config": spec})
+    flags = serve_flags({"speculative_config": spec})
+    assert engine_config(parse_args(flags)).speculative_config == json.dumps(spec)
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        engine_config(parse_args(["--speculative-config", '{"method": "eagle", '
+                                                          '"num_speculative_tokens": 2}']))
+    delta = stats_delta({"num_spec_proposed_tokens": 4, "num_spec_accepted_tokens": 2,
+                         "num_spec_verifications": 2},
+                        {"num_spec_proposed_tokens": 14, "num_spec_accepted_tokens": 10,
+                         "num_spec_verifications": 4})
+    assert delta["spec_acceptance_rate"] == 0.8 and delta["spec_mean_accepted_length"] == 5.0
