@@ -324,8 +324,8 @@ def test_a_bench_variant_and_the_server_flag_carry_a_speculative_config():
     flags = serve_flags({"speculative_config": spec})
     assert engine_config(parse_args(flags)).speculative_config == json.dumps(spec)
     with pytest.raises(ValueError, match="unknown speculative method"):
-        engine_config(parse_args(["--speculative-config", '{"method": "eagle", '
-                                                          '"num_speculative_tokens": 2}']))
+        bad = '{"method": "eagle", "num_speculative_tokens": 2}'
+        engine_config(parse_args(["--speculative-config", bad]))
     delta = stats_delta({"num_spec_proposed_tokens": 4, "num_spec_accepted_tokens": 2,
                          "num_spec_verifications": 2},
                         {"num_spec_proposed_tokens": 14, "num_spec_accepted_tokens": 10,
