@@ -383,6 +383,10 @@ class SpeculativeDecoder:
         e, bm = self.engine, self.engine.block_manager
         self.num_steps += 1
         self.proposer.release_departed(e.scheduler.running)
+        alive = {seq.seq_id for seq in e.scheduler.running}
+        for seq_id in [s for s in self.recent if s not in alive]:  # finished, aborted, preempted
+            self.recent.pop(seq_id)
+            self.paused_until.pop(seq_id, None)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(e.scheduler.running) >= limit:
             return None
