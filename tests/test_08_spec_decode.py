@@ -246,6 +246,15 @@ def test_a_seeded_sampled_request_repeats_run_after_run():
     assert runs[0] == runs[1]
 
 
+def test_sampling_with_top_k_1_through_the_rejection_rule_is_greedy(baseline_ids):
+    """top_k=1 makes the target distribution one-hot: the rejection rule must then emit
+    exactly the greedy tokens (a wrong residual or acceptance would not)."""
+    llm = LLM(TINY_MODEL, speculative_config=ngram(3), **OPTIONS)
+    params = SamplingParams(temperature=0.7, top_k=1, max_tokens=48, ignore_eos=True, seed=3)
+    assert token_ids(llm, PROMPTS[:2], params) == baseline_ids[:2]
+    assert llm.engine.stats.num_spec_accepted_tokens > 0
+
+
 def test_streaming_deltas_add_up_and_may_carry_several_tokens():
     llm = LLM(TINY_MODEL, speculative_config=ngram(5), **OPTIONS)
     engine = llm.engine
