@@ -165,6 +165,15 @@ def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, mem
     return Session(run, memory_pid, memory_kind, {**info, "served_model_name": name})
 
 
+def _server_stats(url: str) -> dict:
+    """The server's engine counters (GET /stats: its EngineStats), for the records."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
 def _resolved_dtype(opts: BenchOptions, device: str) -> str:
     """The dtype our engine runs for ``opts.dtype`` on ``device`` ("auto" resolved as
     ``EngineConfig`` resolves it), e.g. ``"float32"``."""
@@ -263,9 +272,11 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
         kind = "cuda_device_used" if device.startswith("cuda") else "rss"
         with running_server(cmd, f"http://127.0.0.1:{port}", name) as proc:
             # the dtype the server resolves "auto" to: the same EngineConfig rule as ours
-            yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid, kind,
-                                {"device": device, "dtype": _resolved_dtype(opts, device),
-                                 "command": cmd, "engine_options": opts.engine_options})
+            session = _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid,
+                                    kind, {"device": device, "dtype": _resolved_dtype(opts, device),
+                                           "command": cmd, "engine_options": opts.engine_options})
+            session.stats = lambda: _server_stats(f"http://127.0.0.1:{port}/stats")
+            yield session
     elif name == "transformers-serve":
         with _transformers_serve(opts, device) as session:
             yield session

@@ -79,8 +79,11 @@ def roofline_probe(name: str, opts: BenchOptions, device: str) -> RooflineProbe 
 def stats_delta(before: dict, after: dict) -> dict:
     """The engine's counters over one level: steps, tokens, preemptions, and speculative
     decoding's proposals, acceptance rate and mean accepted length (Milestone 8)."""
+    from minivllm.engine import EngineStats
+
+    counters = {f.name for f in dataclasses.fields(EngineStats) if f.type == "int"}
     delta = {k: v - before.get(k, 0) for k, v in after.items()
-             if isinstance(v, int) and not k.startswith("max_")}
+             if k in counters and not k.startswith("max_")}  # not gauges (a server's /stats)
     proposed, verified = delta.get("num_spec_proposed_tokens", 0), delta.get("num_spec_verifications", 0)
     delta["spec_acceptance_rate"] = (delta.get("num_spec_accepted_tokens", 0) / proposed
                                      if proposed else None)
