@@ -235,6 +235,7 @@ class EngineConfig:
     attention_backend: str = "batched"  # "batched" (one call per layer, M6) or "loop" (M2)
     compile: bool | None = None  # compile the decode step (M7); None -> $MINIVLLM_COMPILE, on
     seed: int = 0  # default seed for sampling
+    speculative_config: dict | str | None = None  # M8: {"method": "ngram", ...} or its JSON
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -255,3 +256,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'loop' or 'batched', got {self.attention_backend!r}"
             )
+        if self.speculative_config is not None:  # Milestone 8: refuse a bad one at start-up
+            from minivllm.spec_decode import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)

@@ -105,6 +105,12 @@ class EngineStats:
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_generated_tokens: int = 0
+    # Milestone 8 (speculative decoding): proposals verified, and how many were accepted
+    num_spec_verifications: int = 0  # sequence-steps that verified a proposal
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0  # accepted / proposed
+    spec_mean_accepted_length: float = 0.0  # tokens emitted per verification (accepted + 1)
 
 
 @dataclass
@@ -115,6 +121,7 @@ class _TextState:
     text: str = ""
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
+    num_text_tokens: int = 0  # output tokens fed to the detokenizer
 
 
 @dataclass
@@ -187,6 +194,11 @@ class LLMEngine:
                                        self.num_blocks, self.device, mc.vocab_size)
         self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
         self.stats = EngineStats()
+        self.spec = None  # Milestone 8: the speculative step, when configured
+        if config.speculative_config is not None:
+            from minivllm.spec_decode import SpeculativeConfig, SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(self, SpeculativeConfig.parse(config.speculative_config))
         self.requests: dict[str, _Request] = {}
         self._text: dict[int, _TextState] = {}
         self._seq_ids = itertools.count()
@@ -292,9 +304,11 @@ class LLMEngine:
             self.stats.num_prefix_cached_tokens += seq.num_cached_tokens
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        sampled = self._run_model(plan.scheduled)
-        progressed = self.scheduler.postprocess(plan.scheduled, sampled, self._fail_seq)
-        self.stats.num_generated_tokens += len(progressed)
+        progressed = self.spec.step(plan) if self.spec is not None else None
+        if progressed is None:  # no speculation this step: the ordinary (compiled) path
+            sampled = self._run_model(plan.scheduled)
+            progressed = self.scheduler.postprocess(plan.scheduled, sampled, self._fail_seq)
+            self.stats.num_generated_tokens += len(progressed)
         return self._outputs(progressed)
 
     def _prepare_inputs(self, scheduled: list[tuple[Sequence, int]]):
@@ -472,24 +486,50 @@ class LLMEngine:
     # ------------------------------------------------------------------ outputs
 
     def _update_text(self, seq: Sequence) -> None:
-        """Detokenize the new token, then apply stop strings (which end the sequence)."""
+        """Detokenize the new tokens one by one, applying stop strings (which end the sequence).
+
+        A speculative step (Milestone 8) brings several tokens at once: a stop string completed
+        by one of them ends the sequence there, and the tokens after it are dropped.
+        """
         state = self._text[seq.seq_id]
-        delta = state.detokenizer.add(seq.output_token_ids[-1:])
-        if seq.is_finished:  # emit a character that the last token left incomplete
+        new_ids = seq.output_token_ids[state.num_text_tokens:]
+        for i, token in enumerate(new_ids):
+            state.num_text_tokens += 1
+            last = i == len(new_ids) - 1
+            if self._add_text(seq, state, token, last) and not last:
+                self._drop_tokens(seq, len(new_ids) - 1 - i)
+                return
+
+    def _add_text(self, seq: Sequence, state: _TextState, token: int, last: bool) -> bool:
+        """Detokenize one new token; True if it completed a stop string."""
+        delta = state.detokenizer.add([token])
+        if seq.is_finished and last:  # emit a character that the last token left incomplete
             delta += state.detokenizer.flush()
         stops = seq.params.stop_strings
         if not stops or not delta or seq.finish_reason == "abort":
             state.text += delta
-            return
+            return False
         longest = max(map(len, stops))
         search_from = max(0, len(state.text) - longest + 1)
         state.text += delta
         hits = [(i, s) for s in stops if (i := state.text.find(s, search_from)) >= 0]
-        if hits:
-            index, stop = min(hits)
-            end = index + len(stop) if seq.params.include_stop_str_in_output else index
-            state.text = state.text[:end]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        end = index + len(stop) if seq.params.include_stop_str_in_output else index
+        state.text = state.text[:end]
+        if seq.is_finished and not last:  # a later token of the same step ended it first
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
             self.scheduler.finish(seq, "stop", stop)
+        return True
+
+    def _drop_tokens(self, seq: Sequence, count: int) -> None:
+        """Forget the last ``count`` output tokens (past a stop string), and their logprobs."""
+        for token in seq.token_ids[-count:]:
+            if seq.logprobs:
+                seq.cumulative_logprob -= seq.logprobs.pop()[token]
+        del seq.token_ids[-count:]
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         state = self._text[seq.seq_id]

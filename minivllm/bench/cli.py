@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="minivllm,transformers",
                    help=f"comma-separated, from {', '.join(ENGINES)}; an engine may carry its "
                         "own options: 'minivllm[compile=False],minivllm[compile=True]'")
-    p.add_argument("--workloads", default="fixed,mixed", help="comma-separated: fixed, mixed")
+    p.add_argument("--workloads", default="fixed,mixed", help="comma-separated: fixed, mixed, repetitive")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
     p.add_argument("--num-requests", type=int, help="per level (default max(2*c, 8))")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean for mixed)")

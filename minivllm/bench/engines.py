@@ -92,6 +92,7 @@ class Session:
     memory_pid: int | None  # the process whose RSS is the engine's memory
     memory_kind: str | None  # "rss", "cuda_reserved", "cuda_device_used", or None
     info: dict  # engine-specific environment: device, dtype, options, backend
+    stats: Callable[[], dict] | None = None  # the in-process engine's counters (EngineStats)
 
 
 def parse_engine_options(pairs: list[str]) -> dict:
@@ -114,6 +115,13 @@ def parse_engine_options(pairs: list[str]) -> dict:
             value = int(text)
         elif kind.startswith("float"):
             value = float(text)
+        elif kind.startswith("dict"):  # JSON: speculative_config={"method":"ngram",...}
+            import json
+
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"--engine-option {pair!r}: the value is not JSON ({e})") from None
         else:
             value = text
         options[key] = value
@@ -140,7 +148,9 @@ def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
         raise SystemExit(f"unknown engine {spec!r}; choose from {', '.join(ENGINES)}, "
                          "optionally with options: minivllm[compile=False,attention_backend=loop]")
     variant = (match.group(2) or "").strip()
-    return match.group(1), variant, parse_engine_options(csv_list(variant))
+    # commas inside {...} belong to a JSON value (speculative_config), not between options
+    pairs = [p.strip() for p in re.findall(r"(?:[^,{]|\{[^}]*\})+", variant) if p.strip()]
+    return match.group(1), variant, parse_engine_options(pairs)
 
 
 def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
@@ -153,6 +163,15 @@ def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, mem
                                  timeout_s=opts.request_timeout, payload=payload)
 
     return Session(run, memory_pid, memory_kind, {**info, "served_model_name": name})
+
+
+def _server_stats(url: str) -> dict:
+    """The server's engine counters (GET /stats: its EngineStats), for the records."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
 
 
 def _resolved_dtype(opts: BenchOptions, device: str) -> str:
@@ -227,7 +246,7 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
                 "compile_seconds": getattr(engine, "compile_seconds", 0.0),
                 "num_kv_blocks": engine.num_blocks}
         yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb),
-                      os.getpid(), memory_kind, info)
+                      os.getpid(), memory_kind, info, lambda: dataclasses.asdict(engine.stats))
     elif name == "transformers":
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
@@ -253,9 +272,11 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
         kind = "cuda_device_used" if device.startswith("cuda") else "rss"
         with running_server(cmd, f"http://127.0.0.1:{port}", name) as proc:
             # the dtype the server resolves "auto" to: the same EngineConfig rule as ours
-            yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid, kind,
-                                {"device": device, "dtype": _resolved_dtype(opts, device),
-                                 "command": cmd, "engine_options": opts.engine_options})
+            session = _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid,
+                                    kind, {"device": device, "dtype": _resolved_dtype(opts, device),
+                                           "command": cmd, "engine_options": opts.engine_options})
+            session.stats = lambda: _server_stats(f"http://127.0.0.1:{port}/stats")
+            yield session
     elif name == "transformers-serve":
         with _transformers_serve(opts, device) as session:
             yield session

@@ -76,6 +76,22 @@ def roofline_probe(name: str, opts: BenchOptions, device: str) -> RooflineProbe 
     return RooflineProbe(mc, resolve_dtype(opts.dtype, device, mc), device)
 
 
+def stats_delta(before: dict, after: dict) -> dict:
+    """The engine's counters over one level: steps, tokens, preemptions, and speculative
+    decoding's proposals, acceptance rate and mean accepted length (Milestone 8)."""
+    from minivllm.engine import EngineStats
+
+    counters = {f.name for f in dataclasses.fields(EngineStats) if f.type == "int"}
+    delta = {k: v - before.get(k, 0) for k, v in after.items()
+             if k in counters and not k.startswith("max_")}  # not gauges (a server's /stats)
+    proposed, verified = delta.get("num_spec_proposed_tokens", 0), delta.get("num_spec_verifications", 0)
+    delta["spec_acceptance_rate"] = (delta.get("num_spec_accepted_tokens", 0) / proposed
+                                     if proposed else None)
+    delta["spec_mean_accepted_length"] = (
+        (delta.get("num_spec_accepted_tokens", 0) + verified) / verified if verified else None)
+    return delta
+
+
 def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
                  root_pid: int | None = None, repeat: int = 0) -> None:
     """Start one engine, warm it up, run every level (and the ramp), ``emit`` each record.
@@ -108,6 +124,7 @@ def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
                                      range_ratio=opts.range_ratio, salt=salt)
             desc = f"{spec} {kind} c={concurrency}" + (" ramp" if ramp else "")
             shapes = [(len(r.prompt_token_ids), r.output_len) for r in requests]
+            before_stats = session.stats() if session.stats is not None else None
             if probe:  # the machine's matmul rate just before the level ...
                 rows = probe.rows(shapes, concurrency)
                 before = probe.measure(rows)
@@ -115,6 +132,8 @@ def bench_engine(spec: str, opts: BenchOptions, emit: Callable[[dict], None],
                       **common, "workload": kind, "concurrency": concurrency, "ramp": ramp,
                       "num_requests": num_requests,
                       **run_level(session, requests, concurrency, desc, root_pid), "env": env}
+            if session.stats is not None:  # this level's share of the engine's counters
+                record["engine_stats"] = stats_delta(before_stats, session.stats())
             if probe:  # ... and just after it
                 record["roofline"] = probe.record(shapes, rows, before, probe.measure(rows),
                                                   record["output_throughput"])

@@ -25,7 +25,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-WORKLOADS = ("fixed", "mixed")
+WORKLOADS = ("fixed", "mixed", "repetitive")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ def make_workload(kind: str, num_requests: int, input_len: int, output_len: int,
       (the seed tables' shape: no request finishes early, so static batching wastes nothing).
     * ``mixed``: prompt and output lengths uniform within ``range_ratio`` of the means (as
       ``vllm bench serve --random-range-ratio``), so sequences finish at different times.
+    * ``repetitive``: fixed lengths, each prompt one random span of ``input_len // 4`` tokens
+      repeated, so that an answer which goes on repeating it is predictable from the prompt
+      (where speculative decoding's n-gram lookup pays, Milestone 8).
 
     ``salt`` (e.g. the concurrency) gives each run its own prompts, so that a prefix
     cache warmed by an earlier run cannot flatter a later one. Token ids are drawn from
@@ -61,9 +64,13 @@ def make_workload(kind: str, num_requests: int, input_len: int, output_len: int,
     if kind not in WORKLOADS:
         raise ValueError(f"unknown workload {kind!r}; choose from {', '.join(WORKLOADS)}")
     rng = random.Random(f"{kind}/{seed}/{salt}")  # str seeds hash deterministically
-    ratio = 0.0 if kind == "fixed" else range_ratio
+    ratio = range_ratio if kind == "mixed" else 0.0
     input_lens = _lengths(rng, num_requests, input_len, ratio)
     output_lens = _lengths(rng, num_requests, output_len, ratio)
+    if kind == "repetitive":
+        spans = [[rng.randrange(vocab_size) for _ in range(max(1, n_in // 4))] for n_in in input_lens]
+        return [BenchRequest((span * -(-n_in // len(span)))[:n_in], n_out)
+                for span, n_in, n_out in zip(spans, input_lens, output_lens)]
     return [BenchRequest([rng.randrange(vocab_size) for _ in range(n_in)], n_out)
             for n_in, n_out in zip(input_lens, output_lens)]
 

@@ -75,6 +75,10 @@ def serve_flags(options: dict) -> list[str]:
             flags += ["--compile" if value else "--no-compile"]
         elif isinstance(value, bool):
             flags += [flag] if value else []
+        elif isinstance(value, dict):  # speculative_config: JSON, as vLLM's flag takes it
+            import json
+
+            flags += [flag, json.dumps(value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=engine.compile,
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
     p.add_argument("--seed", type=int, default=engine.seed)
+    p.add_argument("--speculative-config", default=engine.speculative_config,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (Milestone 8)')
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     limits = ServerOptions()
     p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY") or None,
@@ -93,7 +96,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-        "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed}
+        "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
+        "speculative_config": args.speculative_config}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
 
 
