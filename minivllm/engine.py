@@ -41,6 +41,7 @@ from minivllm.kv_cache import (
     num_blocks_for_budget,
 )
 from minivllm.model import load_model
+from minivllm.parallel import start_tensor_parallel
 from minivllm.sampling import Sampler, SamplerOutput, SamplingParams, exponential_noise
 from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -132,7 +133,10 @@ class LLMEngine:
         else:
             self.dtype, why = resolve_dtype(config.dtype, self.device, self.model_config), "asked"
         logger.info("model %s on %s in %s (%s)", path, self.device, str(self.dtype)[6:], why)
-        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.model = load_model(path, dtype=self.dtype, device=self.device) if (
+            config.tensor_parallel_size == 1) else start_tensor_parallel(
+            path, config.tensor_parallel_size, self.dtype, self.device)  # Milestone 9
+        self.num_kv_heads = getattr(self.model, "num_kv_heads", self.model_config.num_key_value_heads)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.eos_token_ids = read_eos_token_ids(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -140,9 +144,12 @@ class LLMEngine:
         check_pool_fits(self.num_blocks, config.block_size, self.max_model_len)
         mc = self.model_config
         use_compile = compile_enabled_by_default() if config.compile is None else config.compile
+        if use_compile and config.tensor_parallel_size > 1:  # see parallel.py (Milestone 9)
+            logger.info("tensor parallel: the decode step runs eagerly (not compiled)")
+            use_compile = False
         # a compiled decode step pads its batch with rows that write into one scratch block
         self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks + int(use_compile),
-                                config.block_size, mc.num_key_value_heads, mc.head_dim,
+                                config.block_size, self.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -174,7 +181,7 @@ class LLMEngine:
         if c.num_blocks is not None:
             return c.num_blocks
         block_bytes = bytes_per_block(mc.num_hidden_layers, c.block_size,
-                                      mc.num_key_value_heads, mc.head_dim, self.dtype)
+                                      self.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
             from minivllm.kv_cache import measure_cuda_kv_budget
 
