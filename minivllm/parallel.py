@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import weakref
@@ -424,8 +423,8 @@ def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock) -> None
     if alive and lock.acquire(timeout=5):
         try:
             _broadcast_header([STOP, 0, 0, 0, 0, 0, 0, 0], control)
-        except Exception:  # noqa: BLE001 (best effort: they are terminated below anyway)
-            pass
+        except Exception as err:  # noqa: BLE001 (best effort: they are killed below anyway)
+            logger.debug("tensor parallel: STOP not delivered (%s)", err)
         finally:
             lock.release()
     for p in workers:
@@ -553,7 +552,7 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
         dist.broadcast(payload, 0, group=control)
         input_ids, positions = payload[:t].to(device_), payload[t:2 * t].to(device_)
         if backend == NO_CACHE:
-            attn = lambda layer, q, k, v: causal_attention(q, k, v)  # noqa: E731
+            attn = lambda layer, q, k, v: causal_attention(q, k, v)
         else:
             if pool is None or pool.num_blocks != num_blocks or pool.block_size != block_size:
                 pool = KVCachePool(c.num_hidden_layers, num_blocks, block_size, n_kv, c.head_dim,
