@@ -1,3 +1,6 @@
+# Generated from solutions/09_tensor_parallel.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
 """Tensor parallelism: one model split across several processes, Megatron style.
 
 Built in notebook 09_tensor_parallel. With ``tensor_parallel_size=N`` every weight matrix of
@@ -68,9 +71,6 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-# ----------------------------------------------------------------------------- the split
-
-
 def allowed_sizes(config: ModelConfig) -> list[int]:
     """Every tensor_parallel_size this model can be split into."""
     return [n for n in range(1, config.num_attention_heads + 1) if not _split_problems(config, n)]
@@ -114,43 +114,12 @@ def kv_head_range(n_heads: int, n_kv_heads: int, rank: int, world_size: int) -> 
     n_kv_heads / N of them; with fewer, one KV head serves several ranks and each of those
     ranks holds a copy of it.
     """
-    ### BEGIN SOLUTION Exercise 9.1: kv_head_range
     if n_kv_heads >= world_size:
         per = n_kv_heads // world_size
         return rank * per, (rank + 1) * per
     ranks_per_head = world_size // n_kv_heads  # the ranks that share (replicate) one KV head
     head = rank // ranks_per_head
     return head, head + 1
-    ### END SOLUTION
-
-
-def shard_spec(name: str, config: ModelConfig, rank: int,
-               world_size: int) -> tuple[int, int, int] | None:
-    """Which part of checkpoint tensor ``name`` rank ``rank`` keeps: (dim, start, stop), or
-    None where every rank keeps all of it (norms, o_proj's bias)."""
-    d = config.head_dim
-    heads = config.num_attention_heads // world_size  # query heads per rank
-    inter = config.intermediate_size // world_size
-    ### BEGIN SOLUTION Exercise 9.2: shard_spec
-    kv_start, kv_stop = kv_head_range(config.num_attention_heads, config.num_key_value_heads,
-                                      rank, world_size)
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return (0, *vocab_range(config.vocab_size, rank, world_size))  # vocab rows
-    if ".q_proj." in name:  # column-parallel: this rank's query heads (weight rows, bias)
-        return 0, rank * heads * d, (rank + 1) * heads * d
-    if ".k_proj." in name or ".v_proj." in name:  # column-parallel: its KV heads
-        return 0, kv_start * d, kv_stop * d
-    if name.endswith("o_proj.weight"):  # row-parallel: the input columns of its heads
-        return 1, rank * heads * d, (rank + 1) * heads * d
-    if ".gate_proj." in name or ".up_proj." in name:  # column-parallel
-        return 0, rank * inter, (rank + 1) * inter
-    if name.endswith("down_proj.weight"):  # row-parallel
-        return 1, rank * inter, (rank + 1) * inter
-    return None  # replicated: norms, o_proj's bias (added once, after the all-reduce)
-    ### END SOLUTION
-
-
-# ----------------------------------------------------------------------------- the layers
 
 
 class ColumnParallelLinear(nn.Module):
@@ -180,11 +149,9 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ### BEGIN SOLUTION Exercise 9.3: RowParallelLinear.forward
         y = F.linear(x, self.weight)  # (T, out): this rank's share of the sum
         self.tp.all_reduce(y)  # (T, out): the full product, on every rank
         return y if self.bias is None else y + self.bias
-        ### END SOLUTION
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -247,6 +214,30 @@ def shard_model(model: QwenForCausalLM, tp: TPGroup) -> QwenForCausalLM:
     return model
 
 
+def shard_spec(name: str, config: ModelConfig, rank: int,
+               world_size: int) -> tuple[int, int, int] | None:
+    """Which part of checkpoint tensor ``name`` rank ``rank`` keeps: (dim, start, stop), or
+    None where every rank keeps all of it (norms, o_proj's bias)."""
+    d = config.head_dim
+    heads = config.num_attention_heads // world_size  # query heads per rank
+    inter = config.intermediate_size // world_size
+    kv_start, kv_stop = kv_head_range(config.num_attention_heads, config.num_key_value_heads,
+                                      rank, world_size)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (0, *vocab_range(config.vocab_size, rank, world_size))  # vocab rows
+    if ".q_proj." in name:  # column-parallel: this rank's query heads (weight rows, bias)
+        return 0, rank * heads * d, (rank + 1) * heads * d
+    if ".k_proj." in name or ".v_proj." in name:  # column-parallel: its KV heads
+        return 0, kv_start * d, kv_stop * d
+    if name.endswith("o_proj.weight"):  # row-parallel: the input columns of its heads
+        return 1, rank * heads * d, (rank + 1) * heads * d
+    if ".gate_proj." in name or ".up_proj." in name:  # column-parallel
+        return 0, rank * inter, (rank + 1) * inter
+    if name.endswith("down_proj.weight"):  # row-parallel
+        return 1, rank * inter, (rank + 1) * inter
+    return None  # replicated: norms, o_proj's bias (added once, after the all-reduce)
+
+
 def load_sharded_model(model_path: str | Path, tp: TPGroup, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu") -> QwenForCausalLM:
     """This rank's shard of the model, read slice by slice from the safetensors files.
@@ -296,8 +287,6 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters (a tied weight counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
-
-# ----------------------------------------------------------------------------- the protocol
 
 # Every forward starts with a broadcast of HEADER int64 values from rank 0:
 #   [command, T tokens, B sequences, total block-table length, attention backend,
@@ -434,9 +423,6 @@ def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock) -> None
             p.join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- start-up
 
 
 def _threads() -> int:

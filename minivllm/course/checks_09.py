@@ -6,9 +6,9 @@ check takes a fraction of a second and needs no process group. References:
 
 * 9.1 ``kv_head_range``: the KV heads that a rank's query heads read (h // n_rep), and
   Milestone 1's ``causal_attention`` over all heads, sliced per rank;
-* 9.2 ``shard_spec``: Milestone 1's whole ``QwenForCausalLM``: the shards it describes,
-  loaded into ``shard_model``'s layers on every rank, must give the same logits;
-* 9.3 ``RowParallelLinear``: ``F.linear`` with the whole weight and bias.
+* 9.2 ``RowParallelLinear``: ``F.linear`` with the whole weight and bias;
+* 9.3 ``shard_spec``: Milestone 1's whole ``QwenForCausalLM``: the shards it describes,
+  loaded into ``shard_model``'s layers on every rank, must give the same logits.
 
 Each prints one ``passed(...)`` line or raises an ``AssertionError`` that says what differs;
 a stub's ``NotImplementedError`` becomes an ``AssertionError`` saying "not implemented yet".
@@ -127,7 +127,7 @@ def check_kv_head_range(kv_head_range) -> None:
     passed(what, f"{len(KV_CASES)} shapes, split and replicated KV heads")
 
 
-# ----------------------------------------------------------------------------- 9.2
+# ----------------------------------------------------------------------------- 9.3
 
 SPEC_HINT = ("column-parallel layers (q/k/v, gate/up) keep rows of the weight (dim 0) and of the "
              "bias; row-parallel ones (o_proj, down_proj) keep the matching *columns* (dim 1) and "
@@ -170,6 +170,9 @@ def shard_state(full: dict[str, torch.Tensor], config, rank: int, world: int, sh
         spec = call_learner(what, shard_spec, name, config, rank, world, hint=SPEC_HINT)
         tensor = full[name]
         if spec is not None:
+            require(isinstance(spec, tuple | list) and len(spec) == 3 and 0 <= spec[0] < tensor.ndim,
+                    what, f"{name} has {tensor.ndim} dimension(s); shard_spec returned {spec!r}",
+                    SPEC_HINT)
             dim, start, stop = spec
             tensor = tensor.narrow(dim, start, max(0, min(stop, tensor.shape[dim]) - start))
         if name.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] < shape[0]:
@@ -182,12 +185,12 @@ def shard_state(full: dict[str, torch.Tensor], config, rank: int, world: int, sh
 
 
 def check_shard_spec(shard_spec) -> None:
-    """Exercise 9.2: the shards it describes give the whole model's logits on every rank
+    """Exercise 9.3: the shards it describes give the whole model's logits on every rank
     (Qwen2 tied and untied, Qwen3 with biases; 2 and 4 ranks)."""
     from minivllm.model import ContiguousKVCache, QwenForCausalLM
     from minivllm.parallel import shard_model
 
-    what = "Exercise 9.2 (shard_spec)"
+    what = "Exercise 9.3 (shard_spec)"
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 36])
     positions = torch.arange(len(ids))
     for i, (config, world) in enumerate(_small_configs()):
@@ -218,16 +221,16 @@ def check_shard_spec(shard_spec) -> None:
     passed(what, "logits of 3 sharded models equal the whole model's on every rank")
 
 
-# ----------------------------------------------------------------------------- 9.3
+# ----------------------------------------------------------------------------- 9.2
 
 ROW_HINT = ("each rank multiplies its slice of the input by its columns of the weight: a partial "
             "sum. all_reduce the partial sums (tp.all_reduce), then add the bias once")
 
 
 def check_row_parallel(row_parallel_linear) -> None:
-    """Exercise 9.3: a row-parallel linear over 2, 3 and 4 ranks equals the whole F.linear,
+    """Exercise 9.2: a row-parallel linear over 2, 3 and 4 ranks equals the whole F.linear,
     with and without bias, on every rank."""
-    what = "Exercise 9.3 (RowParallelLinear.forward)"
+    what = "Exercise 9.2 (RowParallelLinear.forward)"
     torch.manual_seed(3)
     for world, bias in ((2, True), (3, False), (4, True)):
         in_features, out_features = 6 * world, 5
