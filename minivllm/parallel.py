@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -384,7 +385,10 @@ class TensorParallelModel:
             except RuntimeError as error:  # gloo/NCCL: a peer closed, or a timeout
                 if isinstance(error, TensorParallelError):
                     raise
-                self.check_workers()  # a worker died mid-step: say which
+                deadline = time.monotonic() + 5  # a peer's socket can close before its exit
+                while time.monotonic() < deadline:  # is seen: wait for it, to say which
+                    self.check_workers()
+                    time.sleep(0.05)
                 self._failed = f"tensor-parallel collective failed: {error}"
                 raise TensorParallelError(self._failed) from error
 
