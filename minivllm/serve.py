@@ -155,6 +155,8 @@ class AsyncEngine:
         submission = Submission([request_id for request_id, _, _ in requests])
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         loop = asyncio.get_running_loop()
+        if not self.is_alive:
+            raise OpenAIError("the engine loop is not running", status=503)
         self._commands.put(partial(self._add, requests, loop, submission.queue, added))
         try:
             await asyncio.wrap_future(added)
@@ -231,6 +233,9 @@ class AsyncEngine:
             logger.exception("engine step failed")
             batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
+            if getattr(e, "engine_dead", False):  # e.g. a tensor-parallel worker died (M9):
+                self._fail(list(self._streams), f"the engine is dead: {e}")  # the loop ends,
+                raise  # and /health answers 503
             return
         routed = self._route([(out.request_id, out) for out in outputs])
         for out in outputs:
@@ -588,6 +593,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="'auto': bf16 where the CPU does it natively and it pays, see the log")
     p.add_argument("--device", default=engine.device)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size,
+                   help="processes (one GPU each on CUDA) to split the model across")
     p.add_argument("--block-size", type=int, default=engine.block_size)
     p.add_argument("--num-blocks", type=int, default=engine.num_blocks)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=engine.kv_cache_memory_bytes)
@@ -636,7 +643,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-        "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed}
+        "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
 
 
