@@ -50,7 +50,7 @@ def started(tmp_path_factory):
            *_cli_options()]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    llm = LLM(MODEL, **ENGINE)
+    offline = LLM(MODEL, **ENGINE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -63,7 +63,7 @@ def started(tmp_path_factory):
             time.sleep(0.2)
     workers = psutil.Process(proc.pid).children(recursive=True)
     STATE.update(proc=proc, workers=workers, log=log_path)
-    yield url, llm
+    yield url, offline
     proc.send_signal(signal.SIGTERM)
     try:
         status = proc.wait(timeout=60)
@@ -78,12 +78,12 @@ def started(tmp_path_factory):
     assert not alive, f"worker(s) {alive} left behind after SIGTERM"
 
 
-def test_server_runs_one_worker(server):
+def test_server_runs_one_worker(server):  # noqa: F811 (the fixture)
     workers = [p for p in STATE["workers"] if "python" in p.name().lower()]
     assert len(workers) >= 1  # the spawned rank 1 (and multiprocessing's resource tracker)
 
 
-def test_killed_worker_makes_health_503(server):
+def test_killed_worker_makes_health_503(server):  # noqa: F811 (the fixture)
     """Runs last: it breaks the shared server's engine on purpose."""
     rank1 = [p for p in STATE["workers"] if "spawn_main" in " ".join(p.cmdline())
              and "resource_tracker" not in " ".join(p.cmdline())]
