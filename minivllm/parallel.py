@@ -463,6 +463,11 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
     """Rank 0: spawn the workers (or join a torchrun launch), load this rank's shard."""
     config = ModelConfig.from_pretrained(model_path)
     check_tp_split(config, world_size)  # refuse before anything is spawned
+    if device.type == "cuda" and "RANK" not in os.environ and (
+            (device.index or 0) + world_size > torch.cuda.device_count()):
+        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
+                         f"{device} on (one per rank); this machine has "
+                         f"{torch.cuda.device_count()}")
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process "
                            "(one per process: close it first)")

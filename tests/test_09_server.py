@@ -47,10 +47,10 @@ def started(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server-tp2") / "server.log"
     cmd = [sys.executable, "-m", "minivllm.serve", "-tp", "2", "--port", str(port),
            "--log-level", "info", *(["--model", MODEL] if MODEL != minivllm.TINY_MODEL else []),
-           *_cli_options()]
+           *_cli_options(), "--device", "cpu"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    offline = LLM(MODEL, **ENGINE)
+    offline = LLM(MODEL, device="cpu", **ENGINE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:

@@ -1,4 +1,4 @@
-"""Milestone 9: tensor parallelism on CPU with gloo.
+"""Milestone 9: tensor parallelism on CPU with gloo (device="cpu" even where CUDA is present).
 
 Two kinds of tests:
 
@@ -114,12 +114,13 @@ def test_bad_split_is_refused_naming_heads_and_sizes():
     assert "2 KV heads" in str(err.value)
     start = time.monotonic()
     with pytest.raises(ValueError, match="tensor_parallel_size=3.*8 attention heads"):
-        LLM(TINY_MODEL, tensor_parallel_size=3, compile=False)  # refused before any spawn
+        LLM(TINY_MODEL, tensor_parallel_size=3, device="cpu", compile=False)  # refused before any spawn
     assert time.monotonic() - start < 30
 
 
 def test_tp1_keeps_the_plain_model():
-    llm = LLM(TINY_MODEL, dtype="float32", compile=False, num_blocks=8, max_model_len=128)
+    llm = LLM(TINY_MODEL, dtype="float32", device="cpu", compile=False, num_blocks=8,
+              max_model_len=128)
     assert type(llm.engine.model) is QwenForCausalLM
 
 
@@ -167,7 +168,7 @@ def test_sharded_forward_equals_the_whole_model(world):
 
 # ----------------------------------------------------------------------------- real engines
 
-TIGHT = {"dtype": "float32", "block_size": 16, "num_blocks": 14, "max_model_len": 160,
+TIGHT = {"dtype": "float32", "device": "cpu", "block_size": 16, "num_blocks": 14, "max_model_len": 160,
          "max_num_batched_tokens": 48, "enable_prefix_caching": True, "compile": False}
 
 
@@ -221,7 +222,7 @@ def test_tp_equals_tp1_and_transformers(checkpoint, name, world):
     path = TINY_MODEL if name is None else str(checkpoint(name))
     vocab = ModelConfig.from_pretrained(path).vocab_size
     batch = prompts(3, 12, seed=world, vocab=vocab)
-    options = {"dtype": "float32", "compile": False, "num_blocks": 32,
+    options = {"dtype": "float32", "device": "cpu", "compile": False, "num_blocks": 32,
                "max_model_len": 128}
     ref = token_ids(LLM(path, **options).generate(batch, GREEDY, use_tqdm=False))
     llm = LLM(path, tensor_parallel_size=world, **options)
@@ -241,7 +242,7 @@ def test_process_exit_leaves_no_worker():
         from minivllm import LLM
         if __name__ == "__main__":
             llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32",
-                      compile=False, num_blocks=8, max_model_len=128)
+                      device="cpu", compile=False, num_blocks=8, max_model_len=128)
             print(*[p.pid for p in llm.engine.model.workers], flush=True)
     """)
     run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
