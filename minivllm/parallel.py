@@ -335,14 +335,16 @@ class TensorParallelModel:
     """
 
     def __init__(self, model: QwenForCausalLM, tp: TPGroup, control, workers: list,
-                 device: torch.device, weight_bytes_per_rank: list[int]) -> None:
+                 device: torch.device, weight_bytes_per_rank: list[int],
+                 threads_before: int | None = None) -> None:
         self.model, self.tp, self.control, self.device = model, tp, control, device
         self.workers = workers  # spawned processes (empty under torchrun)
         self.weight_bytes_per_rank = weight_bytes_per_rank
         self.num_kv_heads = model.model.layers[0].self_attn.n_kv_heads  # per rank
         self._lock = threading.Lock()
         self._failed: str | None = None
-        self._closer = weakref.finalize(self, _shutdown, tp, control, workers, self._lock)
+        self._closer = weakref.finalize(self, _shutdown, tp, control, workers, self._lock,
+                                       threads_before or torch.get_num_threads())
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["model"], name)
@@ -410,7 +412,7 @@ def _broadcast_header(values: list[int], control) -> torch.Tensor:
     return header
 
 
-def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock) -> None:
+def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock, threads: int) -> None:
     """Tell the workers to stop, wait a little, then make sure they are gone."""
     alive = all(p.is_alive() for p in workers)
     if alive and lock.acquire(timeout=5):
@@ -427,6 +429,7 @@ def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock) -> None
             p.join(timeout=5)
     if dist.is_initialized():
         dist.destroy_process_group()
+    torch.set_num_threads(threads)  # what this process had before it became rank 0
 
 
 def _threads() -> int:
@@ -471,6 +474,7 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process "
                            "(one per process: close it first)")
+    threads_before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(_threads())
     workers, store = [], None
@@ -502,11 +506,12 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
     except BaseException:
         for p in workers:
             p.kill()
+        torch.set_num_threads(threads_before)
         raise
     logger.info("tensor parallel: %d ranks (%s), weights per rank %s MiB", world_size,
                 "nccl" if device.type == "cuda" else f"gloo, {torch.get_num_threads()} thread(s) each",
                 ", ".join(f"{b / 2**20:.1f}" for b in sizes))
-    return TensorParallelModel(model, tp, control, workers, device, sizes)
+    return TensorParallelModel(model, tp, control, workers, device, sizes, threads_before)
 
 
 def _worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: str,
