@@ -9,8 +9,9 @@ Two kinds of tests:
   pool; logprobs within 1e-4 (the all-reduce changes the order of the sums); a killed worker;
   no worker left after ``del`` or process exit.
 
-A TP engine costs a few seconds of process start-up, so each engine is module-scoped and
-shared; the worker-kill test runs last and breaks the shared TP=2 engine on purpose.
+A TP engine costs a few seconds of process start-up, so the TP=2 engine under pressure is
+module-scoped and shared; one TP engine may run per process, so the tests that start their
+own come first, and the worker-kill test runs last and breaks the shared engine on purpose.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ SMALL = {"vocab_size": 509,  # not divisible by 2 or 4: the last rank's vocab sh
          "hidden_size": 64, "num_hidden_layers": 2, "max_position_embeddings": 256,
          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "bos_token_id": None, "eos_token_id": 2}
 SHAPES = {
-    # Qwen3, untied, biases, 8 heads / 4 KV heads: TP=4 gives one KV head per rank
+    # Qwen3, untied, biases, 8 heads / 4 KV heads: TP=2 splits them 2 + 2
     "qwen3": ("qwen3", {**SMALL, "intermediate_size": 128, "num_attention_heads": 8,
                         "num_key_value_heads": 4, "head_dim": 16, "attention_bias": True,
                         "tie_word_embeddings": False}),
@@ -168,6 +169,42 @@ def test_sharded_forward_equals_the_whole_model(world):
 
 # ----------------------------------------------------------------------------- real engines
 
+@pytest.mark.parametrize(("name", "world"), [(None, 4), ("qwen3", 2), ("qwen2_tied_kv1", 2)])
+def test_tp_equals_tp1_and_transformers(checkpoint, name, world):
+    path = TINY_MODEL if name is None else str(checkpoint(name))
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    batch = prompts(3, 12, seed=world, vocab=vocab)
+    options = {"dtype": "float32", "device": "cpu", "compile": False, "num_blocks": 32,
+               "max_model_len": 128}
+    ref = token_ids(LLM(path, **options).generate(batch, GREEDY, use_tqdm=False))
+    llm = LLM(path, tensor_parallel_size=world, **options)
+    pids = worker_pids(llm)
+    try:
+        assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False)) == ref
+    finally:
+        del llm
+        gc.collect()
+    assert_gone(pids)  # deleting the LLM stops its workers
+    for p, ids in zip(batch, ref):
+        assert ids == hf_greedy(path, p["prompt_token_ids"], GREEDY.max_tokens)
+
+
+def test_process_exit_leaves_no_worker():
+    script = textwrap.dedent(f"""
+        from minivllm import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32",
+                      device="cpu", compile=False, num_blocks=8, max_model_len=128)
+            print(*[p.pid for p in llm.engine.model.workers], flush=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "MINIVLLM_TP_TIMEOUT": "60"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    pids = [int(p) for p in run.stdout.split()]
+    assert len(pids) == 1
+    assert_gone(pids)
+
+
 TIGHT = {"dtype": "float32", "device": "cpu", "block_size": 16, "num_blocks": 14, "max_model_len": 160,
          "max_num_batched_tokens": 48, "enable_prefix_caching": True, "compile": False}
 
@@ -215,42 +252,6 @@ def test_tp2_memory_per_rank_is_half(tiny_tp2):
     total = weight_bytes(load_model(TINY_MODEL, torch.float32))
     assert len(sizes) == 2 and all(s < total / 2 * 1.02 for s in sizes), (sizes, total)
     assert tiny_tp2.engine.pool.kv.shape[3] == 1  # of the model's 2 KV heads
-
-
-@pytest.mark.parametrize(("name", "world"), [(None, 4), ("qwen3", 4), ("qwen2_tied_kv1", 2)])
-def test_tp_equals_tp1_and_transformers(checkpoint, name, world):
-    path = TINY_MODEL if name is None else str(checkpoint(name))
-    vocab = ModelConfig.from_pretrained(path).vocab_size
-    batch = prompts(3, 12, seed=world, vocab=vocab)
-    options = {"dtype": "float32", "device": "cpu", "compile": False, "num_blocks": 32,
-               "max_model_len": 128}
-    ref = token_ids(LLM(path, **options).generate(batch, GREEDY, use_tqdm=False))
-    llm = LLM(path, tensor_parallel_size=world, **options)
-    pids = worker_pids(llm)
-    try:
-        assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False)) == ref
-    finally:
-        del llm
-        gc.collect()
-    assert_gone(pids)  # deleting the LLM stops its workers
-    for p, ids in zip(batch, ref):
-        assert ids == hf_greedy(path, p["prompt_token_ids"], GREEDY.max_tokens)
-
-
-def test_process_exit_leaves_no_worker():
-    script = textwrap.dedent(f"""
-        from minivllm import LLM
-        if __name__ == "__main__":
-            llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32",
-                      device="cpu", compile=False, num_blocks=8, max_model_len=128)
-            print(*[p.pid for p in llm.engine.model.workers], flush=True)
-    """)
-    run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                         timeout=180, env={**os.environ, "MINIVLLM_TP_TIMEOUT": "60"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    pids = [int(p) for p in run.stdout.split()]
-    assert len(pids) == 1
-    assert_gone(pids)
 
 
 def test_killed_worker_fails_the_engine_clearly(tiny_tp2):
