@@ -539,7 +539,11 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
     pool, hidden = None, None
     header = torch.zeros(HEADER, dtype=torch.long)
     while True:
-        dist.broadcast(header, 0, group=control)
+        try:
+            dist.broadcast(header, 0, group=control)
+        except RuntimeError as err:  # rank 0 is gone (killed): nothing is left to serve
+            logger.warning("tensor parallel rank %d: rank 0 went away (%s); exiting", rank, err)
+            return
         command, t, b, n_flat, backend, num_blocks, block_size, rows = header.tolist()
         if command == STOP:
             break
