@@ -21,6 +21,7 @@ import gc
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -203,6 +204,35 @@ def test_process_exit_leaves_no_worker():
     pids = [int(p) for p in run.stdout.split()]
     assert len(pids) == 1
     assert_gone(pids)
+
+
+def test_torchrun_launch(tmp_path):
+    """The ranks of a torchrun launch (RANK / WORLD_SIZE / MASTER_*): no spawn; rank 1 serves
+    inside LLM(...) and exits with rank 0; rank 0's tokens equal TP=1's."""
+    script = tmp_path / "tp_torchrun.py"
+    script.write_text(textwrap.dedent(f"""
+        import os
+        from minivllm import LLM, SamplingParams
+        llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32", device="cpu",
+                  compile=False, num_blocks=16, max_model_len=128)
+        assert os.environ["RANK"] == "0" and not llm.engine.model.workers
+        out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        print("tokens", *out[0].outputs[0].token_ids, flush=True)
+    """))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(port), str(script)], check=False,
+                         capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "MINIVLLM_TP_TIMEOUT": "60", "TQDM_DISABLE": "1"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    (line,) = [t for t in run.stdout.splitlines() if t.startswith("tokens")]
+    ref = LLM(TINY_MODEL, dtype="float32", device="cpu", compile=False, num_blocks=16,
+              max_model_len=128).generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
+                  temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [int(t) for t in line.split()[1:]] == ref[0].outputs[0].token_ids
 
 
 TIGHT = {"dtype": "float32", "device": "cpu", "block_size": 16, "num_blocks": 14, "max_model_len": 160,
