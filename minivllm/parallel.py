@@ -314,7 +314,10 @@ def _encode_forward(input_ids: torch.Tensor, positions: torch.Tensor, attn) -> t
     if md is None:  # e.g. measure_cuda_kv_budget's cache-less probe
         header = [FORWARD, t, 0, 0, NO_CACHE, 0, 0, 0]
         return header, torch.cat([input_ids.cpu(), positions.cpu()])
-    backend = next(k for k, cls in _backends().items() if isinstance(attn, cls))
+    backend = next((k for k, cls in _backends().items() if isinstance(attn, cls)), None)
+    if backend is None:
+        raise TypeError(f"tensor parallelism runs the loop and batched attention backends; "
+                        f"the workers cannot rebuild a {type(attn).__name__}")
     num_new = [md.query_start_loc[b + 1] - md.query_start_loc[b] for b in range(md.num_seqs)]
     num_computed = [n - q for n, q in zip(md.seq_lens, num_new)]
     lens = [len(table) for table in md.block_tables]
