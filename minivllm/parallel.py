@@ -387,14 +387,16 @@ class TensorParallelModel:
         with self._lock:
             try:
                 yield
-            except RuntimeError as error:  # gloo/NCCL: a peer closed, or a timeout
+            except Exception as error:  # a collective failed (a peer closed, a timeout), or
+                # rank 0 failed mid-step: either way the ranks are out of step for good
                 if isinstance(error, TensorParallelError):
                     raise
                 deadline = time.monotonic() + 5  # a peer's socket can close before its exit
                 while time.monotonic() < deadline:  # is seen: wait for it, to say which
                     self.check_workers()
                     time.sleep(0.05)
-                self._failed = f"tensor-parallel collective failed: {error}"
+                self._failed = (f"tensor-parallel step failed ({type(error).__name__}: {error}); "
+                                "the ranks are out of step: the engine cannot continue")
                 raise TensorParallelError(self._failed) from error
 
     def close(self) -> None:
