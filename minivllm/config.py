@@ -236,11 +236,13 @@ class EngineConfig:
     compile: bool | None = None  # compile the decode step (M7); None -> $MINIVLLM_COMPILE, on
     seed: int = 0  # default seed for sampling
     speculative_config: dict | str | None = None  # M8: {"method": "ngram", ...} or its JSON
+    tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (M9)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {self.dtype!r}")
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                    "tensor_parallel_size")
         optional_positive = ("num_blocks", "kv_cache_memory_bytes", "max_model_len")
         for name in positive + optional_positive:
             value = getattr(self, name)

@@ -42,6 +42,7 @@ from minivllm.kv_cache import (
     num_blocks_for_budget,
 )
 from minivllm.model import load_model
+from minivllm.parallel import start_tensor_parallel
 from minivllm.sampling import Sampler, SamplerOutput, SamplingParams, exponential_noise
 from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -160,10 +161,14 @@ class LLMEngine:
             self.dtype, why = resolve_dtype(config.dtype, self.device, self.model_config), "asked"
         logger.info("model %s on %s in %s (%s)", path, self.device, str(self.dtype)[6:], why)
         started = time.perf_counter()
-        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.model = load_model(path, dtype=self.dtype, device=self.device) if (
+            config.tensor_parallel_size == 1) else start_tensor_parallel(
+            path, config.tensor_parallel_size, self.dtype, self.device)  # Milestone 9
+        self.num_kv_heads = getattr(self.model, "num_kv_heads", self.model_config.num_key_value_heads)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("loaded the weights: %.2f GiB in %.1f s", weight_bytes / 2**30,
-                    time.perf_counter() - started)
+        logger.info("loaded the weights: %.2f GiB in %.1f s%s", weight_bytes / 2**30,
+                    time.perf_counter() - started,
+                    " (rank 0's shard)" if config.tensor_parallel_size > 1 else "")
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.eos_token_ids = read_eos_token_ids(path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -171,10 +176,13 @@ class LLMEngine:
         check_pool_fits(self.num_blocks, config.block_size, self.max_model_len)
         mc = self.model_config
         use_compile = compile_enabled_by_default() if config.compile is None else config.compile
+        if use_compile and config.tensor_parallel_size > 1:  # see parallel.py (Milestone 9)
+            logger.info("tensor parallel: the decode step runs eagerly (not compiled)")
+            use_compile = False
         # one block past the block manager's range that no sequence owns: padded block-table
         # entries point at it, and a compiled decode step's padding rows write into it
         self.pool = KVCachePool(mc.num_hidden_layers, self.num_blocks + 1,
-                                config.block_size, mc.num_key_value_heads, mc.head_dim,
+                                config.block_size, self.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
         self.block_manager = BlockManager(self.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -217,7 +225,7 @@ class LLMEngine:
         if c.num_blocks is not None:
             return c.num_blocks
         block_bytes = bytes_per_block(mc.num_hidden_layers, c.block_size,
-                                      mc.num_key_value_heads, mc.head_dim, self.dtype)
+                                      self.num_kv_heads, mc.head_dim, self.dtype)
         if self.device.type == "cuda":
             from minivllm.kv_cache import measure_cuda_kv_budget
 

@@ -29,6 +29,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv || true
 
+if [ -z "${ONLY_TP:-}" ]; then  # ONLY_TP=1: stage 4 alone (the device has minutes, not hours)
 # 1. CUDA tests: eager greedy vs transformers on CUDA, CUDA graphs replayed (never skipped,
 #    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager.
 timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
@@ -48,3 +49,36 @@ timeout 330 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-l
 
 # 3. The achieved weight bandwidth at concurrency 1 (weight bytes x steps/s over the peak).
 python3 tools/weight_bandwidth.py "$RESULTS" 2>&1 | tee "$OUT/weight-bandwidth.txt"
+fi
+
+# 4. Tensor parallelism (Milestone 9): NCCL, one GPU per rank, so it needs 2 GPUs. TP=2 must
+#    give TP=1's greedy tokens (fp32, bundled model), then TP=2 vs TP=1 through the harness
+#    on the Qwen2.5-0.5B shape in bf16 (records carry weight_bytes_per_rank and each rank's
+#    RSS). Run alone with ONLY_TP=1 bash tools/cuda_session.sh.
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -ge 2 ]; then
+    timeout 150 python3 - <<'PY' 2>&1 | tee "$OUT/cuda-tp.log"
+from minivllm import LLM, TINY_MODEL, SamplingParams
+
+if __name__ == "__main__":
+    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    opts = {"dtype": "float32", "device": "cuda", "num_blocks": 256, "max_model_len": 1024}
+    tp1 = [o.outputs[0].token_ids for o in LLM(TINY_MODEL, **opts).generate(prompts, p)]
+    llm = LLM(TINY_MODEL, tensor_parallel_size=2, **opts)
+    tp2 = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    print("weights per rank (bytes):", llm.engine.model.weight_bytes_per_rank)
+    print("TP=2 == TP=1 greedy on CUDA:", tp2 == tp1)
+    assert tp2 == tp1
+PY
+    CKPT=/tmp/qwen2.5-0.5b-random
+    [ -d "$CKPT" ] || timeout 90 python3 tools/make_random_checkpoint.py --shape qwen2.5-0.5b \
+        --out "$CKPT" --dtype bfloat16 2>&1 | tail -3
+    timeout 300 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
+        --output-len 128 --workloads fixed,mixed --concurrency 1,8,32 \
+        --engines "minivllm[tensor_parallel_size=2],minivllm" --baseline minivllm \
+        --label cuda-session-tp --out "$OUT/$(date +%F)-cuda-tp.jsonl" 2>&1 | tee -a "$OUT/cuda-tp.log"
+else
+    echo "tensor parallelism on CUDA needs 2 GPUs (one per rank); this machine has $NGPU: skipped" \
+        | tee "$OUT/cuda-tp.log"
+fi

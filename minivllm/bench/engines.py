@@ -245,6 +245,13 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
                 "compile": getattr(engine, "decoder", None) is not None,  # as resolved (M7)
                 "compile_seconds": getattr(engine, "compile_seconds", 0.0),
                 "num_kv_blocks": engine.num_blocks}
+        if engine.config.tensor_parallel_size > 1:  # Milestone 9: what each rank holds
+            import psutil
+
+            ranks = [os.getpid(), *(p.pid for p in engine.model.workers)]
+            info |= {"weight_bytes_per_rank": engine.model.weight_bytes_per_rank,
+                     "rss_bytes_per_rank_loaded": [psutil.Process(pid).memory_info().rss
+                                                   for pid in ranks]}
         yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb),
                       os.getpid(), memory_kind, info, lambda: dataclasses.asdict(engine.stats))
     elif name == "transformers":

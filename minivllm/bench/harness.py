@@ -166,8 +166,10 @@ def run_isolated(name: str, opts: BenchOptions, emit: Callable[[dict], None],
     """``bench_engine`` in a fresh process, so each engine's RSS is its own."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
+    # not daemonic: a daemonic process may not start processes, and a tensor-parallel engine
+    # (Milestone 9) starts its workers; the worker ends with its run and is joined below
     proc = ctx.Process(target=_worker, args=(name, opts, os.getpid(), repeat, child),
-                       daemon=True)
+                       daemon=False)
     proc.start()
     child.close()
     while True:

@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="'auto': bf16 where the CPU does it natively and it pays, see the log")
     p.add_argument("--device", default=engine.device)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size,
+                   help="processes (one GPU each on CUDA) to split the model across")
     p.add_argument("--block-size", type=int, default=engine.block_size)
     p.add_argument("--num-blocks", type=int, default=engine.num_blocks)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=engine.kv_cache_memory_bytes)
@@ -97,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
-        "speculative_config": args.speculative_config}
+        "speculative_config": args.speculative_config,
+        "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
 
 

@@ -119,6 +119,8 @@ class AsyncEngine:
         submission = Submission([request_id for request_id, _, _ in requests])
         added: concurrent.futures.Future[None] = concurrent.futures.Future()
         loop = asyncio.get_running_loop()
+        if not self.is_alive:
+            raise OpenAIError("the engine loop is not running", status=503)
         self._commands.put(partial(self._add, requests, loop, submission.queue, added,
                                    time.monotonic()))
         try:
@@ -200,6 +202,9 @@ class AsyncEngine:
             logger.exception("engine step failed")
             batch = {s.request_id for s in self.engine.scheduler.running} & set(self._streams)
             self._fail(sorted(batch) or list(self._streams), f"engine step failed: {e!r}")
+            if getattr(e, "engine_dead", False):  # e.g. a tensor-parallel worker died (M9):
+                self._fail(list(self._streams), f"the engine is dead: {e}")  # the loop ends,
+                raise  # and /health answers 503
             return
         failed = [out for out in outputs if out.error is not None]  # the engine stopped these
         outputs = [out for out in outputs if out.error is None]  # alone; the rest carry on

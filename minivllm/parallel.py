@@ -1,0 +1,581 @@
+# Generated from solutions/09_tensor_parallel.ipynb by `python -m minivllm.course export`.
+# Edit the notebook, not this file.
+
+"""Tensor parallelism: one model split across several processes, Megatron style.
+
+Built in notebook 09_tensor_parallel. With ``tensor_parallel_size=N`` every weight matrix of
+the decoder is cut into N shards and rank r holds shard r only, so each process needs about
+1/N of the weights and 1/N of the KV cache:
+
+* **column-parallel** (q/k/v, gate/up): rank r keeps a slice of the *output* features. Its
+  output is a slice of the full output; nothing to communicate. Attention heads are output
+  features of q/k/v, so rank r owns whole heads and attends over them alone.
+* **row-parallel** (o_proj, down_proj): rank r keeps the slice of the *input* features that
+  matches the column-parallel slice before it. Its product is a partial sum of the full
+  product; one ``all_reduce`` (sum) per layer and projection makes it whole on every rank.
+* **vocab-parallel** (embed_tokens, lm_head): rank r keeps a range of vocabulary rows. The
+  embedding looks up the ids in its range (zeros elsewhere) and all-reduces; the head
+  computes its slice of the logits and all-gathers them, so every rank sees all logits.
+
+KV heads split like the query heads they serve; where there are fewer KV heads than ranks
+(Qwen2.5-0.5B: 2 KV heads), each KV head is *replicated* on the ranks whose query heads
+read it. Each rank reads only its slices from the safetensors files (``get_slice``).
+
+Control: rank 0 is the engine (scheduler, sampler, requests). Each forward it broadcasts the
+step's inputs — one small int64 tensor of token ids, positions and block tables — to the
+worker ranks, which run the same forward on their shards and join the collectives. The
+workers are spawned processes (``torch.multiprocessing``), or the other ranks of a
+``torchrun`` launch (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from minivllm.config import ModelConfig
+from minivllm.model import QwenForCausalLM, _checkpoint_files, causal_attention
+
+logger = logging.getLogger("minivllm.parallel")
+
+
+class TPGroup:
+    """This process's place in the tensor-parallel group and the collectives the model uses.
+
+    ``all_reduce`` sums a tensor over the ranks in place; ``all_gather`` concatenates every
+    rank's tensor along the last axis, in rank order. The notebook's checks swap in a group
+    of threads with the same two methods.
+    """
+
+    def __init__(self, rank: int, world_size: int, group=None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def allowed_sizes(config: ModelConfig) -> list[int]:
+    """Every tensor_parallel_size this model can be split into."""
+    return [n for n in range(1, config.num_attention_heads + 1) if not _split_problems(config, n)]
+
+
+def _split_problems(config: ModelConfig, n: int) -> list[str]:
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if heads % n:
+        problems.append(f"{heads} attention heads are not divisible by {n}")
+    if kv % n and n % kv:
+        problems.append(f"{kv} KV heads neither divide into {n} shards nor replicate evenly "
+                        f"over {n} ranks")
+    if config.intermediate_size % n:
+        problems.append(f"intermediate_size {config.intermediate_size} is not divisible by {n}")
+    return problems
+
+
+def check_tp_split(config: ModelConfig, world_size: int) -> None:
+    """Refuse, before anything starts, a tensor_parallel_size the model cannot be split into."""
+    problems = _split_problems(config, world_size) if world_size >= 1 else ["it must be >= 1"]
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size={world_size} does not fit this model "
+            f"({config.num_attention_heads} attention heads, {config.num_key_value_heads} KV "
+            f"heads): {'; '.join(problems)}. Allowed sizes: "
+            f"{', '.join(map(str, allowed_sizes(config)))}")
+
+
+def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Vocabulary rows [start, stop) of a rank: ceil(V / N) each, the last rank fewer."""
+    per = -(-vocab_size // world_size)
+    return min(rank * per, vocab_size), min((rank + 1) * per, vocab_size)
+
+
+def kv_head_range(n_heads: int, n_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
+    """KV heads [start, stop) that rank ``rank`` of ``world_size`` holds.
+
+    Rank r owns query heads [r * n_heads/N, (r+1) * n_heads/N); query head h reads KV head
+    h // (n_heads / n_kv_heads). With at least as many KV heads as ranks, each rank gets
+    n_kv_heads / N of them; with fewer, one KV head serves several ranks and each of those
+    ranks holds a copy of it.
+    """
+    if n_kv_heads >= world_size:
+        per = n_kv_heads // world_size
+        return rank * per, (rank + 1) * per
+    ranks_per_head = world_size // n_kv_heads  # the ranks that share (replicate) one KV head
+    head = rank // ranks_per_head
+    return head, head + 1
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r: this rank's slice of the output features. No communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # (out/N, in)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # (T, out/N)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: the partial products of every rank, summed.
+
+    ``x`` is this rank's slice of the input features (what the column-parallel layer before
+    it produced); ``weight`` the matching columns of the full weight, (out, in/N). The bias
+    is whole on every rank and added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))  # (out, in/N)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (T, out): this rank's share of the sum
+        self.tp.all_reduce(y)  # (T, out): the full product, on every rank
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [start, stop) (padded to ceil(V/N)); other ids read 0."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.world_size)
+        per_rank = -(-vocab_size // tp.world_size)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))  # (ceil(V/N), hidden)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mine = (input_ids >= self.start) & (input_ids < self.stop)  # (T,)
+        local = torch.where(mine, input_ids - self.start, 0)
+        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)  # (T, hidden): exactly one rank contributed each row
+
+
+class ParallelLMHead(nn.Module):
+    """Each rank's slice of the logits, all-gathered: (N, hidden) -> (N, vocab) on every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup,
+                 weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        per_rank = -(-vocab_size // tp.world_size)
+        self.weight = weight if weight is not None else nn.Parameter(
+            torch.empty(per_rank, hidden_size))  # tied: the embedding's shard is the head's
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)  # (N, ceil(V/N))
+        return self.tp.all_gather(local)[:, :self.vocab_size]  # (N, V): padding rows dropped
+
+
+def shard_model(model: QwenForCausalLM, tp: TPGroup) -> QwenForCausalLM:
+    """Swap every linear and the embedding of a (meta-device) model for its sharded version.
+
+    ``model.py`` stays as it is: the attention layers view q/k/v with ``n_heads`` and
+    ``n_kv_heads``, which become this rank's counts, and the decoder loop is unchanged.
+    """
+    c, n = model.config, tp.world_size
+    d, hidden = c.head_dim, c.hidden_size
+    kv_start, kv_stop = kv_head_range(c.num_attention_heads, c.num_key_value_heads, tp.rank, n)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.n_heads, attn.n_kv_heads = c.num_attention_heads // n, kv_stop - kv_start
+        bias = c.attention_bias
+        attn.q_proj = ColumnParallelLinear(hidden, attn.n_heads * d, bias)
+        attn.k_proj = ColumnParallelLinear(hidden, attn.n_kv_heads * d, bias)
+        attn.v_proj = ColumnParallelLinear(hidden, attn.n_kv_heads * d, bias)
+        attn.o_proj = RowParallelLinear(attn.n_heads * d, hidden, attn.o_proj.bias is not None, tp)
+        inter = c.intermediate_size // n
+        mlp.gate_proj = ColumnParallelLinear(hidden, inter, False)
+        mlp.up_proj = ColumnParallelLinear(hidden, inter, False)
+        mlp.down_proj = RowParallelLinear(inter, hidden, False, tp)
+    model.model.embed_tokens = VocabParallelEmbedding(c.vocab_size, hidden, tp)
+    tied = model.model.embed_tokens.weight if c.tie_word_embeddings else None
+    model.lm_head = ParallelLMHead(c.vocab_size, hidden, tp, tied)
+    return model
+
+
+def shard_spec(name: str, config: ModelConfig, rank: int,
+               world_size: int) -> tuple[int, int, int] | None:
+    """Which part of checkpoint tensor ``name`` rank ``rank`` keeps: (dim, start, stop), or
+    None where every rank keeps all of it (norms, o_proj's bias)."""
+    d = config.head_dim
+    heads = config.num_attention_heads // world_size  # query heads per rank
+    inter = config.intermediate_size // world_size
+    kv_start, kv_stop = kv_head_range(config.num_attention_heads, config.num_key_value_heads,
+                                      rank, world_size)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return (0, *vocab_range(config.vocab_size, rank, world_size))  # vocab rows
+    if ".q_proj." in name:  # column-parallel: this rank's query heads (weight rows, bias)
+        return 0, rank * heads * d, (rank + 1) * heads * d
+    if ".k_proj." in name or ".v_proj." in name:  # column-parallel: its KV heads
+        return 0, kv_start * d, kv_stop * d
+    if name.endswith("o_proj.weight"):  # row-parallel: the input columns of its heads
+        return 1, rank * heads * d, (rank + 1) * heads * d
+    if ".gate_proj." in name or ".up_proj." in name:  # column-parallel
+        return 0, rank * inter, (rank + 1) * inter
+    if name.endswith("down_proj.weight"):  # row-parallel
+        return 1, rank * inter, (rank + 1) * inter
+    return None  # replicated: norms, o_proj's bias (added once, after the all-reduce)
+
+
+def load_sharded_model(model_path: str | Path, tp: TPGroup, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> QwenForCausalLM:
+    """This rank's shard of the model, read slice by slice from the safetensors files.
+
+    ``safe_open(...).get_slice(name)[start:stop]`` reads only those rows (or columns) from
+    the memory-mapped file, so a rank never holds more than its 1/N of a matrix.
+    """
+    model_dir = Path(model_path)
+    config = ModelConfig.from_pretrained(model_dir)
+    check_tp_split(config, tp.world_size)
+    with torch.device("meta"):
+        model = shard_model(QwenForCausalLM(config), tp)
+    expected = {name: p.shape for name, p in model.named_parameters()}  # tied: counted once
+    loaded: dict[str, torch.Tensor] = {}
+    for path in _checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if "rotary_emb." in name or (name == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{path}: unexpected tensor {name!r} (not in a {config.model_type})")
+                spec = shard_spec(name, config, tp.rank, tp.world_size)
+                part = f.get_slice(name)
+                if spec is None:
+                    tensor = part[:]
+                else:
+                    dim, start, stop = spec
+                    tensor = part[start:stop] if dim == 0 else part[:, start:stop]
+                if tensor.shape[0] < expected[name][0] and name.endswith(
+                        ("embed_tokens.weight", "lm_head.weight")):  # the last rank's padding
+                    pad = tensor.new_zeros(expected[name][0] - tensor.shape[0], tensor.shape[1])
+                    tensor = torch.cat([tensor, pad])
+                if tensor.shape != expected[name]:
+                    raise ValueError(f"{path}: shard of {name!r} for rank {tp.rank} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(expected[name])}")
+                loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint is missing tensor(s) {missing[:5]}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if config.tie_word_embeddings:  # assign=True replaced the Parameter: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.requires_grad_(False).eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# Every forward starts with a broadcast of HEADER int64 values from rank 0:
+#   [command, T tokens, B sequences, total block-table length, attention backend,
+#    num_blocks of the pool, block_size, rows of hidden states (LOGITS) or the block that
+#    padded block-table entries point at (FORWARD)]
+# then, for FORWARD, one int64 payload of
+#   input_ids (T) | positions (T) | num_computed (B) | num_new (B) | table lengths (B) | tables
+# and for LOGITS the (rows, hidden) hidden states whose logits rank 0 wants.
+FORWARD, LOGITS, STOP = 1, 2, 3
+HEADER = 8
+NO_CACHE, LOOP, BATCHED = 0, 1, 2  # attention: no KV cache (a memory probe), M2, M6
+
+
+def _backends():
+    from minivllm.attention import BatchedAttention
+    from minivllm.kv_cache import PagedAttention
+
+    return {LOOP: PagedAttention, BATCHED: BatchedAttention}
+
+
+def _encode_forward(input_ids: torch.Tensor, positions: torch.Tensor, attn) -> tuple[list[int], torch.Tensor]:
+    """The header and payload that let a worker rebuild this forward's inputs."""
+    md = getattr(attn, "metadata", None)
+    t = input_ids.shape[0]
+    if md is None:  # e.g. measure_cuda_kv_budget's cache-less probe
+        header = [FORWARD, t, 0, 0, NO_CACHE, 0, 0, 0]
+        return header, torch.cat([input_ids.cpu(), positions.cpu()])
+    backend = next((k for k, cls in _backends().items() if isinstance(attn, cls)), None)
+    if backend is None:
+        raise TypeError(f"tensor parallelism runs the loop and batched attention backends; "
+                        f"the workers cannot rebuild a {type(attn).__name__}")
+    num_new = [md.query_start_loc[b + 1] - md.query_start_loc[b] for b in range(md.num_seqs)]
+    num_computed = [n - q for n, q in zip(md.seq_lens, num_new)]
+    lens = [len(table) for table in md.block_tables]
+    flat = [b for table in md.block_tables for b in table]
+    header = [FORWARD, t, md.num_seqs, len(flat), backend, attn.pool.num_blocks, md.block_size,
+              md.pad_block]  # the last slot: the block padded table entries point at
+    tail = torch.tensor(num_computed + num_new + lens + flat, dtype=torch.long)
+    return header, torch.cat([input_ids.cpu(), positions.cpu(), tail])
+
+
+class TensorParallelModel:
+    """Rank 0's view of the sharded model: called like the model, it runs every rank.
+
+    ``model(input_ids, positions, attn)`` broadcasts the step's inputs, then runs rank 0's
+    shard (the workers run theirs at the same time and meet it in each all-reduce);
+    ``compute_logits(hidden)`` broadcasts the few hidden rows to sample and returns the
+    gathered (N, vocab) logits. Anything else (``config``, ``parameters()``) is rank 0's
+    shard's. A dead worker turns the next call into a ``TensorParallelError``.
+    """
+
+    def __init__(self, model: QwenForCausalLM, tp: TPGroup, control, workers: list,
+                 device: torch.device, weight_bytes_per_rank: list[int],
+                 threads_before: int | None = None) -> None:
+        self.model, self.tp, self.control, self.device = model, tp, control, device
+        self.workers = workers  # spawned processes (empty under torchrun)
+        self.weight_bytes_per_rank = weight_bytes_per_rank
+        self.num_kv_heads = model.model.layers[0].self_attn.n_kv_heads  # per rank
+        self._lock = threading.Lock()
+        self._failed: str | None = None
+        self._closer = weakref.finalize(self, _shutdown, tp, control, workers, self._lock,
+                                       threads_before or torch.get_num_threads())
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["model"], name)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.world_size
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        header, payload = _encode_forward(input_ids, positions, attn)
+        with self._collective():
+            _broadcast_header(header, self.control)
+            dist.broadcast(payload, 0, group=self.control)
+            return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self._collective():
+            _broadcast_header([LOGITS, 0, 0, 0, 0, 0, 0, hidden.shape[0]], self.control)
+            dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
+            return self.model.compute_logits(hidden)
+
+    def check_workers(self) -> None:
+        """Raise TensorParallelError if a worker process has died."""
+        if self._failed:
+            raise TensorParallelError(self._failed)
+        dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
+        if dead:
+            self._failed = "tensor-parallel worker(s) died: " + ", ".join(
+                f"rank {rank} (pid {p.pid}, exit code {p.exitcode})" for rank, p in dead) + (
+                "; the engine cannot continue (restart it)")
+            raise TensorParallelError(self._failed)
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """One rank-0 turn of the protocol: refuse if a worker is dead, name it if one dies."""
+        self.check_workers()
+        with self._lock:
+            try:
+                yield
+            except Exception as error:  # a collective failed (a peer closed, a timeout), or
+                # rank 0 failed mid-step: either way the ranks are out of step for good
+                if isinstance(error, TensorParallelError):
+                    raise
+                deadline = time.monotonic() + 5  # a peer's socket can close before its exit
+                while time.monotonic() < deadline:  # is seen: wait for it, to say which
+                    self.check_workers()
+                    time.sleep(0.05)
+                self._failed = (f"tensor-parallel step failed ({type(error).__name__}: {error}); "
+                                "the ranks are out of step: the engine cannot continue")
+                raise TensorParallelError(self._failed) from error
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent; also on garbage
+        collection and at interpreter exit)."""
+        self._closer()
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group is broken (a worker died): the engine cannot step again."""
+
+    engine_dead = True  # the server stops its engine loop on this, and /health says 503
+
+
+def _broadcast_header(values: list[int], control) -> torch.Tensor:
+    header = torch.tensor(values, dtype=torch.long)
+    dist.broadcast(header, 0, group=control)
+    return header
+
+
+def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock, threads: int) -> None:
+    """Tell the workers to stop, wait a little, then make sure they are gone."""
+    alive = all(p.is_alive() for p in workers)
+    if alive and lock.acquire(timeout=5):
+        try:
+            _broadcast_header([STOP, 0, 0, 0, 0, 0, 0, 0], control)
+        except Exception as err:  # noqa: BLE001 (best effort: they are killed below anyway)
+            logger.debug("tensor parallel: STOP not delivered (%s)", err)
+        finally:
+            lock.release()
+    for p in workers:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)  # what this process had before it became rank 0
+
+
+def _threads() -> int:
+    """Intra-op threads per rank on a CPU: $MINIVLLM_TP_THREADS, else 1 (N ranks share the cores)."""
+    return int(os.environ.get("MINIVLLM_TP_THREADS", "1"))
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """One GPU per rank: cuda:(base + rank); a CPU rank stays on the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _init_group(rank: int, world_size: int, device: torch.device, store=None):
+    """Join the process group; return (model group, control group).
+
+    The model's collectives use NCCL on CUDA and gloo on CPU. The step's inputs travel on
+    a second, gloo group (CPU tensors), whose timeout is long: a worker waits there while
+    the server is idle.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=float(os.environ.get("MINIVLLM_TP_TIMEOUT", "300")))
+    kwargs = {"store": store} if store is not None else {"init_method": "env://"}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+    return dist.group.WORLD, control
+
+
+def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.dtype,
+                          device: torch.device) -> TensorParallelModel:
+    """Rank 0: spawn the workers (or join a torchrun launch), load this rank's shard."""
+    config = ModelConfig.from_pretrained(model_path)
+    check_tp_split(config, world_size)  # refuse before anything is spawned
+    if device.type == "cuda" and "RANK" not in os.environ and (
+            (device.index or 0) + world_size > torch.cuda.device_count()):
+        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
+                         f"{device} on (one per rank); this machine has "
+                         f"{torch.cuda.device_count()}")
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process "
+                           "(one per process: close it first)")
+    threads_before = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(_threads())
+    workers, store = [], None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: the ranks exist
+        rank = int(os.environ["RANK"])
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size="
+                             f"{world_size}")
+        device = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+        if rank != 0:  # not the engine: serve rank 0 until it stops, then end the process
+            run_worker(rank, world_size, str(model_path), str(dtype)[6:], str(device), None)
+            raise SystemExit(0)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                              timeout=timedelta(seconds=120), wait_for_workers=False)
+        ctx = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, world_size):
+            p = ctx.Process(target=_worker_main, name=f"minivllm-tp-rank{rank}", daemon=True,
+                            args=(rank, world_size, store.port, str(model_path), str(dtype)[6:],
+                                  str(_rank_device(device, rank)), _threads()))
+            p.start()
+            workers.append(p)
+    try:
+        group, control = _init_group(0, world_size, device, store)
+        tp = TPGroup(0, world_size, group)
+        model = load_sharded_model(model_path, tp, dtype, device)
+        sizes: list = [None] * world_size
+        dist.all_gather_object(sizes, weight_bytes(model), group=control)
+    except BaseException:
+        for p in workers:
+            p.kill()
+        torch.set_num_threads(threads_before)
+        raise
+    logger.info("tensor parallel: %d ranks (%s), weights per rank %s MiB", world_size,
+                "nccl" if device.type == "cuda" else f"gloo, {torch.get_num_threads()} thread(s) each",
+                ", ".join(f"{b / 2**20:.1f}" for b in sizes))
+    return TensorParallelModel(model, tp, control, workers, device, sizes, threads_before)
+
+
+def _worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: str,
+                 device: str, threads: int) -> None:
+    """Entry point of a spawned worker process."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=120))
+    run_worker(rank, world_size, model_path, dtype, device, store, threads)
+
+
+@torch.inference_mode()
+def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: str,
+               store, threads: int | None = None) -> None:
+    """A worker rank: load its shard, then run whatever rank 0 broadcasts until STOP."""
+    from minivllm.kv_cache import AttentionMetadata, KVCachePool
+
+    device_ = torch.device(device)
+    if device_.type == "cpu":
+        torch.set_num_threads(threads or _threads())
+    group, control = _init_group(rank, world_size, device_, store)
+    tp = TPGroup(rank, world_size, group)
+    model = load_sharded_model(model_path, tp, getattr(torch, dtype), device_)
+    dist.all_gather_object([None] * world_size, weight_bytes(model), group=control)
+    c, n_kv = model.config, model.model.layers[0].self_attn.n_kv_heads
+    pool, hidden = None, None
+    header = torch.zeros(HEADER, dtype=torch.long)
+    while True:
+        try:
+            dist.broadcast(header, 0, group=control)
+        except RuntimeError as err:  # rank 0 is gone (killed): nothing is left to serve
+            logger.warning("tensor parallel rank %d: rank 0 went away (%s); exiting", rank, err)
+            return
+        command, t, b, n_flat, backend, num_blocks, block_size, rows = header.tolist()
+        if command == STOP:
+            break
+        if command == LOGITS:
+            h = torch.empty(rows, c.hidden_size, dtype=model.lm_head.weight.dtype, device=device_)
+            dist.broadcast(h, 0, group=group)
+            model.compute_logits(h)  # joins the all-gather; rank 0 samples
+            continue
+        payload = torch.empty(2 * t + 3 * b + n_flat, dtype=torch.long)
+        dist.broadcast(payload, 0, group=control)
+        input_ids, positions = payload[:t].to(device_), payload[t:2 * t].to(device_)
+        if backend == NO_CACHE:
+            attn = lambda layer, q, k, v: causal_attention(q, k, v)
+        else:
+            if pool is None or pool.num_blocks != num_blocks or pool.block_size != block_size:
+                pool = KVCachePool(c.num_hidden_layers, num_blocks, block_size, n_kv, c.head_dim,
+                                   model.lm_head.weight.dtype, device_)
+            num_computed, num_new, lens, flat = payload[2 * t:].split([b, b, b, n_flat])
+            tables, flat = [], flat.tolist()
+            for n in lens.tolist():
+                tables.append(flat[:n])
+                flat = flat[n:]
+            md = AttentionMetadata.build(tables, num_computed.tolist(), num_new.tolist(),
+                                         block_size, device_, pad_block=rows)  # FORWARD: pad block
+            attn = _backends()[backend](pool, md)
+        hidden = model(input_ids, positions, attn)
+    del hidden
+    dist.destroy_process_group()
