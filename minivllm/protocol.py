@@ -132,8 +132,13 @@ class _Request(BaseModel):
             return default if value is None else value
 
         bias = self.logit_bias
-        if bias is not None and not all(t.strip().isdigit() for t in bias):
+        if bias is not None and not all(t.strip().isdecimal() for t in bias):
             raise OpenAIError("logit_bias keys must be token ids", param="logit_bias")
+        for word in self.bad_words or []:  # the engine tokenizes them: valid Unicode only
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError("bad_words must be valid Unicode text", param="bad_words") from None
         try:
             return SamplingParams(
                 n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
