@@ -338,9 +338,9 @@ class LLMEngine:
         row = 0
         for seq, n in scheduled:
             start, row = seq.num_computed_tokens, row + n
-            request = self.requests[seq.request_id]
-            if request.prompt_logprobs is None or seq.index != 0:
+            if seq.params.prompt_logprobs is None or seq.index != 0:
                 continue
+            request = self.requests[seq.request_id]
             first = max(start, len(request.prompt_logprobs) - 1)  # the next position needed
             last = min(start + n, seq.num_prompt_tokens - 1)
             if first >= last:
