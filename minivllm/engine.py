@@ -43,7 +43,13 @@ from minivllm.kv_cache import (
 )
 from minivllm.model import load_model
 from minivllm.parallel import start_tensor_parallel
-from minivllm.sampling import Sampler, SamplerOutput, SamplingParams, exponential_noise
+from minivllm.sampling import (
+    Sampler,
+    SamplerOutput,
+    SamplingParams,
+    exponential_noise,
+    process_logits,
+)
 from minivllm.scheduler import Scheduler, Sequence
 from minivllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -92,6 +98,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when processing this request failed: it alone was stopped
+    # SamplingParams(prompt_logprobs=k): None for the first token, then per prompt token
+    # {its id: logprob, and the top k}, from the logits of the position before it
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -132,6 +141,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled during prefill
 
 
 def attention_backend(name: str):
@@ -271,12 +281,14 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is "
                              f"{self.max_model_len}: no room for any output token")
+        params.update_from_tokenizer(self.tokenizer, vocab)  # bad words; ids in the vocab
         seqs: list[Sequence] = []
         for index in range(params.n):
             parent = seqs[0] if seqs and self.config.enable_prefix_caching else None
             seqs.append(Sequence(next(self._seq_ids), request_id, ids, params, index, parent))
         self.requests[request_id] = _Request(
-            request_id, text, ids, seqs, RequestMetrics(arrival_time or time.monotonic()))
+            request_id, text, ids, seqs, RequestMetrics(arrival_time or time.monotonic()),
+            None if params.prompt_logprobs is None else [None])
         for seq in seqs:
             self._text[seq.seq_id] = _TextState(IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens))
@@ -341,8 +353,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _run_model(self, scheduled: list[tuple[Sequence, int]]) -> dict[int, int]:
         seqs = [seq for seq, _ in scheduled]
-        banned = [self._banned_ids(s) for s in seqs]
-        if self.decoder is not None and all(n == 1 for _, n in scheduled) and not any(banned):
+        if self.decoder is not None and all(
+                n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled):
             batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
                                  [s.block_table for s in seqs])
             logits = self.decoder.logits(batch)  # (B, V): a pure decode step, compiled (M7)
@@ -350,6 +362,7 @@ class LLMEngine:
         else:
             input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
             hidden = self.model(input_ids, positions, self.attention_cls(self.pool, metadata))
+            self._record_prompt_logprobs(scheduled, hidden)
             if not seqs:
                 return {}
             logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
@@ -406,19 +419,58 @@ class LLMEngine:
         return out, seqs
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        token_ids, num_prompt_tokens, banned = self._processor_inputs(seqs)
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                            [self._banned_ids(s) for s in seqs])
+                            banned, token_ids, num_prompt_tokens)
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample a compiled decode step's logits (Milestone 7)."""
         params = [s.params for s in seqs]
+        # penalties, biases and bans run beside the graph, eagerly, on the rows that ask
+        processed = process_logits(logits, params, *self._processor_inputs(seqs))
         if all(p.is_greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = processed.argmax(dim=-1)
         else:
             noise = exponential_noise(len(seqs), logits.shape[-1],
                                       [s.generator for s in seqs], self.device)
-            tokens = self.decoder.sample(logits, params, noise)
-        return Sampler._logprobs(logits, tokens, params)
+            tokens = self.decoder.sample(processed, params, noise)
+        return Sampler._logprobs(logits, tokens, params)  # of the raw logits, as vLLM
+
+    def _processor_inputs(self, seqs: list[Sequence]) -> tuple[list, list, list]:
+        """What ``process_logits`` reads per row: token ids, prompt length, min_tokens bans."""
+        return ([s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
+                [self._banned_ids(s) for s in seqs])
+
+    def _record_prompt_logprobs(self, scheduled: list[tuple[Sequence, int]],
+                                hidden: torch.Tensor) -> None:
+        """Prompt logprobs from this step's prompt positions (a chunk at a time).
+
+        Position j's logits give prompt token j + 1's logprob. Only the first completion
+        of a request records them; after a preemption the recomputed positions are skipped.
+        """
+        row = 0
+        for seq, n in scheduled:
+            start, row = seq.num_computed_tokens, row + n
+            if seq.params.prompt_logprobs is None or seq.index != 0:
+                continue
+            request = self.requests[seq.request_id]
+            first = max(start, len(request.prompt_logprobs) - 1)  # the next position needed
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            flat = row - n + first - start  # its row in the flat batch
+            logprobs = self.model.compute_logits(hidden[flat:flat + last - first]).float()
+            logprobs = logprobs.log_softmax(dim=-1)  # (last - first, V)
+            targets = seq.token_ids[first + 1:last + 1]
+            chosen = logprobs.gather(-1, torch.tensor(targets, device=self.device)
+                                     .unsqueeze(-1)).squeeze(-1).tolist()
+            k = seq.params.prompt_logprobs
+            top = logprobs.topk(k, dim=-1) if k else None
+            for i, (token, logprob) in enumerate(zip(targets, chosen)):
+                entry = {token: logprob}
+                if top is not None:
+                    entry.update(zip(top.indices[i].tolist(), top.values[i].tolist()))
+                request.prompt_logprobs.append(entry)
 
     @staticmethod
     def _record_logprobs(seqs: list[Sequence], tokens: list[int], out: SamplerOutput) -> None:
@@ -582,7 +634,8 @@ class LLMEngine:
             metrics.finished_time = now if finished else None
             outputs.append(RequestOutput(
                 request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=metrics))
+                num_cached_tokens=request.seqs[0].num_cached_tokens, metrics=metrics,
+                prompt_logprobs=request.prompt_logprobs))
             if finished:
                 del self.requests[request_id]
                 for s in request.seqs:

@@ -187,16 +187,21 @@ class BlockManager:
 
     # -- allocation
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        """Whether blocks for all of ``token_ids`` can be had now (counting prefix hits)."""
-        hits = self.match_prefix(token_ids)
+    def can_allocate(self, token_ids: list[int], lookup: bool = True) -> bool:
+        """Whether blocks for all of ``token_ids`` can be had now (counting prefix hits;
+        ``lookup=False`` asks for fresh blocks only)."""
+        hits = self.match_prefix(token_ids) if lookup else []
         needed = self.blocks_needed(len(token_ids)) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # hits on the free list
         return needed <= self.num_free_blocks - revived
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
-        """Blocks for all of ``token_ids``; returns (block_table, num_cached_tokens)."""
-        hits = self.match_prefix(token_ids)
+    def allocate(self, token_ids: list[int], lookup: bool = True) -> tuple[list[int], int]:
+        """Blocks for all of ``token_ids``; returns (block_table, num_cached_tokens).
+
+        ``lookup=False`` skips the prefix cache (a request that needs every prompt
+        position's logits, for prompt logprobs, must compute them all).
+        """
+        hits = self.match_prefix(token_ids) if lookup else []
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -55,10 +55,6 @@ class OpenAIError(Exception):
 # Fields we do not implement but that would change the output if a client relied on them:
 # refused with a 400 unless they hold their neutral value. Other unknown fields are ignored.
 _REFUSED: dict[str, tuple] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
@@ -88,6 +84,12 @@ class _Request(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings
+    allowed_token_ids: list[int] | None = None  # vLLM's extra
+    bad_words: list[str] | None = None  # vLLM's extra
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -123,11 +125,20 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this request; its ValueError messages become 400s."""
         def given(value, default):
             return default if value is None else value
 
+        bias = self.logit_bias
+        if bias is not None and not all(t.strip().isdecimal() for t in bias):
+            raise OpenAIError("logit_bias keys must be token ids", param="logit_bias")
+        for word in self.bad_words or []:  # the engine tokenizes them: valid Unicode only
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError("bad_words must be valid Unicode text", param="bad_words") from None
         try:
             return SamplingParams(
                 n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
@@ -135,7 +146,13 @@ class _Request(BaseModel):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                presence_penalty=given(self.presence_penalty, 0.0),
+                frequency_penalty=given(self.frequency_penalty, 0.0),
+                repetition_penalty=given(self.repetition_penalty, 1.0),
+                logit_bias=None if bias is None else {int(t): b for t, b in bias.items()},
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                prompt_logprobs=prompt_logprobs)
         except ValueError as e:  # "<field> must be ...": the first word names the field
             raise OpenAIError(str(e), param=str(e).split()[0]) from None
 
@@ -230,8 +247,10 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int],
     for token_id, entry in zip(token_ids, logprobs):
         token = _token_text(tokenizer, token_id)
         out["tokens"].append(token)
-        out["token_logprobs"].append(entry[token_id])
-        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in entry.items()})
+        # echo: the first prompt token has no logprob (nothing comes before it)
+        out["token_logprobs"].append(None if entry is None else entry[token_id])
+        out["top_logprobs"].append(None if entry is None else
+                                   {_token_text(tokenizer, t): lp for t, lp in entry.items()})
         out["text_offset"].append(text_offset)
         text_offset += len(token)
     return out
@@ -298,6 +317,7 @@ class Job:
     include_usage: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    echo_only: bool = False  # echo with max_tokens 0: the prompt only (its one token dropped)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -326,14 +346,29 @@ class Job:
         return {"index": index, **content, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
 
-    def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int) -> dict | None:
-        """The logprobs object of ``token_ids``, the last tokens of a completion."""
+    def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int,
+                 echo: RequestOutput | None = None) -> dict | None:
+        """The logprobs object of ``token_ids``, the last tokens of a completion. With
+        ``echo`` (the first chunk of an echoed completion) the prompt's tokens and prompt
+        logprobs come first, from text offset 0, as vLLM sends them."""
         if self.num_logprobs is None or entries is None:
             return None
         entries = entries[len(entries) - len(token_ids):]
         if self.chat:
             return chat_logprobs(self.tokenizer, token_ids, entries, self.num_logprobs)
+        if echo is not None and echo.prompt_logprobs is not None:
+            token_ids, entries = echo.prompt_token_ids + token_ids, echo.prompt_logprobs + entries
+            text_offset = 0
         return completion_logprobs(self.tokenizer, token_ids, entries, text_offset)
+
+    def view(self, out: RequestOutput) -> RequestOutput:
+        """What the client sees of an engine output: for echo_only, the completion dropped."""
+        if not self.echo_only:
+            return out
+        empty = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not
+                                     None else None, delta_text="", delta_token_ids=[])
+                 for c in out.outputs]
+        return dataclasses.replace(out, outputs=empty)
 
     def echo(self, prompt_index: int) -> str:
         return self.prompt_texts[prompt_index] if self.prompt_texts else ""
@@ -345,10 +380,12 @@ class Job:
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming body: every choice with its whole text, and usage."""
         choices = []
+        finals = [self.view(out) for out in finals]
         for p, out in enumerate(finals):
             for c in out.outputs:
                 prefix = self.echo(p)
-                logprobs = self.logprobs(c.token_ids, c.logprobs, len(prefix))
+                logprobs = self.logprobs(c.token_ids, c.logprobs, len(prefix),
+                                         out if prefix else None)
                 choices.append(self.choice(p * self.n + c.index, prefix + c.text, logprobs, c,
                                            delta=False))
         return self.body(choices, usage=self.usage(finals))
@@ -369,13 +406,16 @@ def completion_job(body: CompletionRequest, tokenizer: Tokenizer, max_model_len:
     prompts = body.prompts()
     prompt_ids = [encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p)
                   for p in prompts]
-    if body.echo and body.logprobs is not None:
-        raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo")
-    params = [body.sampling_params(check_length(len(ids), body.max_tokens, max_model_len),
-                                   body.logprobs) for ids in prompt_ids]
+    # echo + logprobs: the prompt's logprobs too; echo + max_tokens 0: the prompt alone (vLLM
+    # runs it with max_tokens 1, for the prompt logprobs, and drops the token)
+    echo_only = body.echo and body.max_tokens == 0
+    prompt_logprobs = body.logprobs if body.echo else None
+    params = [body.sampling_params(check_length(len(ids), 1 if echo_only else body.max_tokens,
+                                                max_model_len), body.logprobs, prompt_logprobs)
+              for ids in prompt_ids]
     texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if body.echo else []
     return Job(False, model, tokenizer, prompt_ids, params, body.logprobs, texts, body.stream,
-               body.include_usage)
+               body.include_usage, echo_only=echo_only)
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,

@@ -9,8 +9,14 @@ logits — one row per sequence that produces a token this step — into token i
 handful of batched tensor operations, whatever mix of greedy and sampled requests the
 batch holds:
 
-    logits ─▶ min_tokens mask ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ softmax
+    logits ─▶ allowed ids / bad words / min_tokens masks ─▶ + logit_bias ─▶ penalties
+           ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ softmax
            ─▶ exponential race (argmax of p / q, q ~ Exp(1))  ─▶ token ids
+
+The first line is vLLM's logits processors, in vLLM's order, on the raw logits; they run
+only on the rows whose requests ask for them, and not at all in a batch where none does.
+Reported logprobs are those of the raw logits, before any of it (vLLM's default
+``logprobs_mode="raw_logprobs"``).
 
 The exponential race (gpt-fast, nano-vllm) draws the same distribution as
 ``torch.multinomial`` without a host sync, and makes per-request seeds easy: a seeded
@@ -26,6 +32,8 @@ import torch
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 MAX_LOGPROBS = 20  # the OpenAI API allows at most 20 top logprobs
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI, vLLM)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 
 
 @dataclass
@@ -46,7 +54,15 @@ class SamplingParams:
     logprobs: int | None = None  # return the chosen token's logprob and this many top ones
     skip_special_tokens: bool = True  # drop special tokens from the decoded text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    presence_penalty: float = 0.0  # minus this for each token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # prompt + output tokens: logit / it if > 0, * it if not
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (tokenized when added)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many top ones
     _stop: list[str] = field(init=False, repr=False, default_factory=list)
+    _bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -68,8 +84,26 @@ class SamplingParams:
             fail(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                fail(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                fail(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias or {}
+        if not all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                   and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in bias.items()):
+            fail(f"logit_bias must map token ids to biases in [-{MAX_LOGIT_BIAS:g}, "
+                 f"{MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        self.logit_bias = {t: float(b) for t, b in bias.items()} or None
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (allowed and all(isinstance(t, int) and t >= 0 for t in allowed)):
+            fail("allowed_token_ids must be a non-empty list of token ids")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words or []):
+            fail("bad_words must be a list of non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -84,6 +118,40 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logits processor (penalties, bias, allowed ids, bad words) applies."""
+        return (self.has_penalties or bool(self.logit_bias) or bool(self.bad_words)
+                or self.allowed_token_ids is not None)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int) -> None:
+        """What needs the model, done when a request is added (as vLLM does): token ids
+        must lie in the vocabulary, and each bad word becomes token ids — as it is at the
+        start of a text and, when that gives other tokens of the same count, after a
+        space (a word in the middle of a text)."""
+        words = []
+        for word in self.bad_words or []:
+            plain = tokenizer.encode(word.lstrip())
+            spaced = tokenizer.encode(" " + word.lstrip())
+            words.append(plain)
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                words.append(spaced)
+        for name, ids in (("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words", [t for w in words for t in w])):
+            if any(t >= vocab_size for t in ids):
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size})")
+        self._bad_words_token_ids = words
 
     @property
     def stop_strings(self) -> list[str]:
@@ -151,6 +219,87 @@ def exponential_race(
     return (probs / q).argmax(dim=-1)
 
 
+def token_counts(token_ids: list[list[int]], vocab: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, V) float: how often each token occurs in each row's list, by one scatter-add.
+
+    Rows are padded with the id ``vocab``, counted in an extra column that is dropped.
+    """
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.tensor([list(ids) + [vocab] * (width - len(ids)) for ids in token_ids],
+                          dtype=torch.long, device=device).view(len(token_ids), width)  # (B, W)
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_counts: torch.Tensor,
+                    output_counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on (B, V) logits; counts are (B, V), the penalties (B,) per row.
+
+    repetition: tokens in the prompt or output, logit / r when > 0, logit * r otherwise;
+    frequency: minus f * the token's count in the output; presence: minus p if it is there.
+    """
+    seen = (prompt_counts + output_counts) > 0  # (B, V)
+    scale = torch.where(seen, repetition.unsqueeze(-1), 1.0)  # (B, V)
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits = logits - frequency.unsqueeze(-1) * output_counts
+    return logits - presence.unsqueeze(-1) * (output_counts > 0)
+
+
+def bad_word_bans(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now (vLLM's rule): a word's last token when
+    the output ends with the word's other tokens (a one-token word: always). Only the output
+    counts, not the prompt."""
+    bans = []
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output_token_ids) and \
+                output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            bans.append(word[-1])
+    return bans
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]],
+                   num_prompt_tokens: list[int], banned_token_ids: list[list[int]]) -> torch.Tensor:
+    """vLLM's logits processors, in vLLM's order, on the rows that ask for them:
+
+        allowed_token_ids ─▶ bad words ─▶ min_tokens bans ─▶ + logit_bias ─▶ penalties
+
+    ``token_ids[b]`` is row b's prompt + output so far, its first ``num_prompt_tokens[b]``
+    the prompt; ``banned_token_ids[b]`` what min_tokens forbids now. When no row asks for
+    anything, ``logits`` itself comes back: the fast path costs nothing.
+    """
+    rows = [b for b, p in enumerate(params) if p.adjusts_logits or banned_token_ids[b]]
+    if not rows:
+        return logits
+    (batch, vocab), device = logits.shape, logits.device
+    forbid = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # (B, V): -inf
+    bias = torch.zeros(batch, vocab, device=device)  # (B, V)
+    for b in rows:
+        p = params[b]
+        if p.allowed_token_ids is not None:
+            forbid[b] = True
+            forbid[b, p.allowed_token_ids] = False
+        bans = bad_word_bans(p.bad_words_token_ids, token_ids[b][num_prompt_tokens[b]:])
+        bans += [t for t in banned_token_ids[b] if t < vocab]  # (an EOS id past the logits)
+        if bans:
+            forbid[b, bans] = True
+        if p.logit_bias:
+            bias[b, list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), device=device)
+    logits = logits.masked_fill(forbid, float("-inf")) + bias
+    if not any(params[b].has_penalties for b in rows):
+        return logits
+    penalized = [p.has_penalties for p in params]
+    prompts = [ids[:n] if on else [] for ids, n, on in zip(token_ids, num_prompt_tokens, penalized)]
+    outputs = [ids[n:] if on else [] for ids, n, on in zip(token_ids, num_prompt_tokens, penalized)]
+    column = lambda name: torch.tensor([getattr(p, name) for p in params], device=device)  # (B,)
+    return apply_penalties(logits, token_counts(prompts, vocab, device),
+                           token_counts(outputs, vocab, device), column("presence_penalty"),
+                           column("frequency_penalty"), column("repetition_penalty"))
+
+
 class Sampler:
     """Batched sampler over one step's logits; see the module docstring for the pipeline."""
 
@@ -160,16 +309,15 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]] | None = None,  # per row: ids masked (min_tokens)
+        token_ids: list[list[int]] | None = None,  # per row: prompt + output so far
+        num_prompt_tokens: list[int] | None = None,  # per row: how many of those are prompt
     ) -> SamplerOutput:
-        logits = logits.float()
-        raw_logits = logits
-        if banned_token_ids and any(banned_token_ids):
-            logits = logits.clone()
-            for row, banned in enumerate(banned_token_ids):
-                if banned:
-                    logits[row, banned] = float("-inf")
-        token_ids = self._sample(logits, params, generators)
-        return self._logprobs(raw_logits, token_ids, params)
+        raw_logits = logits.float()
+        rows = len(params)
+        logits = process_logits(raw_logits, params, token_ids or [[]] * rows,
+                                num_prompt_tokens or [0] * rows, banned_token_ids or [[]] * rows)
+        sampled = self._sample(logits, params, generators)
+        return self._logprobs(raw_logits, sampled, params)
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
         greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)

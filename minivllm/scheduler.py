@@ -64,6 +64,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or string that ended it
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
+        # prompt logprobs need the logits of every prompt position: no prefix-cache lookup
+        self.lookup_prefix = params.prompt_logprobs is None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
@@ -149,10 +151,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.parent is not None and not self._prompt_cached(seq.parent):
                 break  # n > 1: let the first sibling fill the prefix cache first
-            if not bm.can_allocate(seq.token_ids):
+            if not bm.can_allocate(seq.token_ids, seq.lookup_prefix):
                 break
             self.waiting.popleft()
-            seq.block_table, seq.num_cached_tokens = bm.allocate(seq.token_ids)
+            seq.block_table, seq.num_cached_tokens = bm.allocate(seq.token_ids, seq.lookup_prefix)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

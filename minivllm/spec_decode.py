@@ -372,6 +372,8 @@ class SpeculativeDecoder:
         e = self.engine
         if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or e._banned_ids(seq):
             return 0
+        if seq.params.adjusts_logits:  # penalties, biases, bans: the verify rows skip them
+            return 0
         if self.paused_until.get(seq.seq_id, 0) > self.num_steps:
             return 0
         left = e.max_model_len - seq.num_tokens  # positions the pool may still hold
@@ -454,9 +456,8 @@ class SpeculativeDecoder:
             return {}
         e = self.engine
         seqs = [s for s, _ in plain]
-        out = e.sampler(logits[torch.tensor([r for _, r in plain], device=logits.device)],
-                        [s.params for s in seqs], [s.generator for s in seqs],
-                        [e._banned_ids(s) for s in seqs])
+        rows = torch.tensor([r for _, r in plain], device=logits.device)
+        out = e._sample_eager(logits[rows], seqs)  # the engine's sampler, with its processors
         tokens = out.token_ids.tolist()
         if out.logprobs is not None:
             e._record_logprobs(seqs, tokens, out)

@@ -47,3 +47,14 @@ def hf_logprobs(path: str | Path, token_ids: list[int]) -> torch.Tensor:
     logits = hf_model(str(path))(torch.tensor([token_ids])).logits[0]
     return logits.float().log_softmax(-1)
 
+
+
+@torch.inference_mode()
+def hf_generate(path: str | Path, prompt_ids: list[int], max_new_tokens: int, **processors) -> list[int]:
+    """transformers' own greedy ``generate`` with its logits processors (``repetition_penalty=``,
+    ``sequence_bias=``, ``bad_words_ids=``, ``suppress_tokens=``, ``logits_processor=``): the
+    oracle for penalties and biases. Never stops on EOS (minivllm's ``ignore_eos``)."""
+    model = hf_model(str(path))
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=None, pad_token_id=0, **processors)
+    return out[0, len(prompt_ids):].tolist()

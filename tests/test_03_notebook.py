@@ -39,6 +39,7 @@ def _graders(sch, smp):
         "min_p": lambda: checks.check_min_p(smp.mask_min_p),
         "noise": lambda: checks.check_exponential_noise(smp.exponential_noise),
         "race": lambda: checks.check_exponential_race(smp.exponential_race),
+        "penalties": lambda: checks.check_penalties(smp.apply_penalties),
     }
 
 
@@ -60,6 +61,9 @@ def test_every_exercise_is_a_stub(learner):
         "Exercise 3.3: mask_min_p": lambda: smp.mask_min_p(torch.zeros(1, 4), torch.tensor([0.1])),
         "Exercise 3.4: exponential_noise": lambda: smp.exponential_noise(1, 4, [None]),
         "Exercise 3.4: exponential_race": lambda: smp.exponential_race(torch.ones(1, 4) / 4, [None]),
+        "Exercise 3.5: apply_penalties": lambda: smp.apply_penalties(
+            torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1),
+            torch.zeros(1), torch.ones(1)),
     }
     for label, call in calls.items():
         with pytest.raises(NotImplementedError, match=label):
@@ -116,6 +120,17 @@ SAMPLING_MUTANTS = {
         "race", [("if gen is not None:", "if False:")]),
     "noise ignores the per-request generators": ("noise", [("if gen is not None:", "if False:")]),
     "noise is uniform, not exponential": ("noise", [(".exponential_(", ".uniform_(")]),
+    "repetition divides negative logits too": (
+        "penalties", [("logits = torch.where(logits > 0, logits / scale, logits * scale)",
+                       "logits = logits / scale")]),
+    "repetition ignores the prompt": (
+        "penalties", [("seen = (prompt_counts + output_counts) > 0", "seen = output_counts > 0")]),
+    "presence scales with the count": (
+        "penalties", [("return logits - presence.unsqueeze(-1) * (output_counts > 0)",
+                       "return logits - presence.unsqueeze(-1) * output_counts")]),
+    "frequency ignores the count": (
+        "penalties", [("logits = logits - frequency.unsqueeze(-1) * output_counts",
+                       "logits = logits - frequency.unsqueeze(-1) * (output_counts > 0)")]),
 }
 
 

@@ -233,7 +233,8 @@ BAD = {
     "prompt too long": ({"prompt": [100] * 300}, "300"),
     "prompt + max_tokens too long": ({"prompt": [100] * 250, "max_tokens": 10}, "260"),
     "token id outside the vocabulary": ({"prompt": [10**9]}, "token ids"),
-    "unsupported penalty": ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    "presence_penalty > 2": ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    "unsupported suffix": ({"prompt": "hi", "suffix": "x"}, "suffix"),
     "chat: empty messages": ({"messages": []}, "messages"),
     "chat: messages not a list": ({"messages": "hi"}, "messages"),
     "chat: top_logprobs without logprobs": (

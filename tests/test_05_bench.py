@@ -504,3 +504,30 @@ def test_ramp_runs_one_wave_per_level_until_the_cap(tiny_model):
     assert [(r["ramp"], r["concurrency"], r["num_requests"]) for r in records] == [
         (True, 2, 2), (True, 4, 4)]
     assert all(r["failures"] == 0 for r in records)
+
+
+def test_sampling_options_reach_the_in_process_engine(tiny_model):
+    """--sampling-option (issue 19): extra SamplingParams fields for the minivllm engine, so
+    the cost of penalties can be measured; refused for other engines and for bad values."""
+    from minivllm.bench.clients import drive_closed_loop
+    from minivllm.bench.metrics import BenchRequest
+    from minivllm.engine import LLMEngine
+
+    opts, _ = parse_args(["--engines", "minivllm", "--sampling-option", "repetition_penalty=1.3",
+                          "--sampling-option", 'logit_bias={"13": -100}'])
+    assert opts.sampling == {"repetition_penalty": 1.3, "logit_bias": {13: -100}}
+    for bad in (["--sampling-option", "temperature=1"], ["--sampling-option", "top_p=7"],
+                ["--engines", "transformers", "--sampling-option", "presence_penalty=1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    engine = LLMEngine.from_options(str(tiny_model), num_blocks=16, max_model_len=64,
+                                    compile=False)
+    requests = [BenchRequest([13, 13, 13, 42], 6)]
+    plain = drive_closed_loop(engine, requests, 1)
+    assert plain[0].output_tokens == 6
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda rid, prompt, params: (seen.append(params), add(rid, prompt, params))
+    drive_closed_loop(engine, requests, 1, sampling=opts.sampling)
+    assert seen[0].repetition_penalty == 1.3 and seen[0].logit_bias == {13: -100.0}
+    assert seen[0].max_tokens == 6 and seen[0].ignore_eos and seen[0].temperature == 0.0

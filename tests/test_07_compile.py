@@ -113,3 +113,25 @@ def test_buckets():
     assert [bucket(n, on_cuda=False) for n in (1, 2, 3, 17)] == [2, 2, 3, 17]
     assert [bucket(n, on_cuda=False, minimum=1) for n in (1, 2, 3)] == [1, 2, 3]
     assert [bucket(n, on_cuda=True) for n in (1, 2, 3, 17, 32)] == [2, 2, 4, 32, 32]
+
+
+def test_compiled_decode_applies_the_logits_processors(compiled_random, random_engine_model):
+    """Issue 19: penalties, logit_bias, allowed ids and min_tokens bans run beside the
+    compiled graph, on the logits it returns: same tokens as the eager engine, for a batch
+    that mixes them with a neutral greedy and a seeded sampled request."""
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 12}
+    params = [SamplingParams(repetition_penalty=1.4, presence_penalty=0.5, **greedy),
+              SamplingParams(logit_bias={13: 4.0, 40: -100.0}, min_tokens=8, max_tokens=12,
+                             temperature=0.0),
+              SamplingParams(frequency_penalty=1.0, temperature=0.9, seed=3, max_tokens=12,
+                             ignore_eos=True, allowed_token_ids=list(range(100, 300))),
+              SamplingParams(**greedy)]
+    prompts = [{"prompt_token_ids": [5 + i, 60, 61, 62 + i]} for i in range(4)]
+    eager = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+                compile=False)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in compiled_random.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    assert got == want
+    assert set(got[2]) <= set(range(100, 300)) and 40 not in got[1]
+    assert got[3] == hf_greedy(random_engine_model, prompts[3]["prompt_token_ids"], 12)

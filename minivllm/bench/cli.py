@@ -23,6 +23,7 @@ from minivllm.bench.engines import (
     csv_list,
     parse_engine_options,
     parse_engine_spec,
+    parse_sampling_options,
     split_engine_specs,
 )
 from minivllm.bench.env import device_name, machine_line
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an EngineConfig field for minivllm and minivllm-server, e.g. "
                         "attention_backend=loop (repeatable); kv_cache_memory_bytes also sizes "
                         "transformers-serve's KV cache")
+    p.add_argument("--sampling-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra SamplingParams field (JSON value) for the in-process minivllm "
+                        "engine, e.g. repetition_penalty=1.1 (repeatable)")
     p.add_argument("--base-url", help="the openai engine's server, e.g. http://host:8000/v1")
     p.add_argument("--label", default="", help="free-form tag, e.g. before/after a change")
     p.add_argument("--ramp", action="store_true",
@@ -108,7 +112,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                         a.output_len, a.range_ratio, a.seed, a.dtype, a.device, options,
                         a.base_url, a.label, a.ramp, a.ramp_step, a.ramp_cap,
                         not a.no_isolate, a.request_timeout, not a.no_warmup, a.repeat,
-                        a.baseline, a.roofline)
+                        a.baseline, a.roofline, parse_sampling_options(a.sampling_option))
+    if opts.sampling and any(parse_engine_spec(e)[0] != "minivllm" for e in engines):
+        p.error("--sampling-option applies to the in-process minivllm engine only")
     return opts, a.out or default_results_path(a.device)
 
 

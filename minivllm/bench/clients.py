@@ -33,7 +33,8 @@ Progress = Callable[[], None]  # called once per finished request
 
 def drive_closed_loop(engine, requests: list[BenchRequest], concurrency: int,
                       clock: Callable[[], float] = time.perf_counter,
-                      on_finish: Progress | None = None) -> list[RequestResult]:
+                      on_finish: Progress | None = None,
+                      sampling: dict | None = None) -> list[RequestResult]:
     """Run ``requests`` through an ``LLMEngine``, keeping ``concurrency`` of them in flight.
 
     A *closed loop*, like ``concurrency`` users who each send their next request as soon as
@@ -42,7 +43,8 @@ def drive_closed_loop(engine, requests: list[BenchRequest], concurrency: int,
     every output that carries new tokens (``outputs[0].delta_token_ids``) is one streamed
     chunk that arrived at ``clock()``; a finished output also ends its request then.
     Request ``i`` is added as id ``str(i)`` with greedy ``ignore_eos`` sampling of exactly
-    ``output_len`` tokens. Returns one ``RequestResult`` per request, in order.
+    ``output_len`` tokens (plus the ``sampling`` fields: penalties cost what they cost).
+    Returns one ``RequestResult`` per request, in order.
     """
     from minivllm.sampling import SamplingParams
 
@@ -52,7 +54,7 @@ def drive_closed_loop(engine, requests: list[BenchRequest], concurrency: int,
         while next_index < len(requests) and len(in_flight) < concurrency:
             request = requests[next_index]
             params = SamplingParams(temperature=0.0, max_tokens=request.output_len,
-                                    ignore_eos=True)
+                                    ignore_eos=True, **(sampling or {}))
             results[next_index].start = clock()
             engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
                                params)

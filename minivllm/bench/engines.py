@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -82,6 +83,7 @@ class BenchOptions:
     repeat: int = 1  # run the whole engine list this many times, interleaved
     baseline: str | None = None  # engine label the table divides by (default transformers)
     roofline: bool = False  # measure the matmul roofline before and after every level
+    sampling: dict = dataclasses.field(default_factory=dict)  # extra SamplingParams (minivllm)
 
 
 @dataclasses.dataclass
@@ -125,6 +127,33 @@ def parse_engine_options(pairs: list[str]) -> dict:
         else:
             value = text
         options[key] = value
+    return options
+
+
+def parse_sampling_options(pairs: list[str]) -> dict:
+    """``key=value`` strings -> extra SamplingParams fields for the in-process minivllm
+    engine (e.g. penalties, to measure what they cost); values are JSON. The harness keeps
+    its own greedy ``ignore_eos`` fields, so the work per request stays fixed."""
+    from minivllm.sampling import SamplingParams
+
+    fixed = ("temperature", "max_tokens", "ignore_eos", "n")
+    names = [f.name for f in dataclasses.fields(SamplingParams)
+             if f.init and f.name not in fixed]
+    options: dict = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in names:
+            raise SystemExit(f"--sampling-option {pair!r}: expected key=value with key one of "
+                             f"{', '.join(names)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        options[key] = {int(t): b for t, b in value.items()} if key == "logit_bias" else value
+    try:
+        SamplingParams(**options)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--sampling-option: {e}") from None
     return options
 
 
@@ -245,6 +274,7 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
                 "compile": getattr(engine, "decoder", None) is not None,  # as resolved (M7)
                 "compile_seconds": getattr(engine, "compile_seconds", 0.0),
                 "num_kv_blocks": engine.num_blocks}
+        info["sampling"] = opts.sampling  # extra SamplingParams fields, if any
         if engine.config.tensor_parallel_size > 1:  # Milestone 9: what each rank holds
             import psutil
 
@@ -252,7 +282,8 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
             info |= {"weight_bytes_per_rank": engine.model.weight_bytes_per_rank,
                      "rss_bytes_per_rank_loaded": [psutil.Process(pid).memory_info().rss
                                                    for pid in ranks]}
-        yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb),
+        yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb,
+                                                            sampling=opts.sampling),
                       os.getpid(), memory_kind, info, lambda: dataclasses.asdict(engine.stats))
     elif name == "transformers":
         from transformers import AutoModelForCausalLM

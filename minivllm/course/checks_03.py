@@ -352,6 +352,65 @@ def check_exponential_race(exponential_race) -> None:
     passed(what, f"{rows} seeded draws follow p within 0.03; seeded rows independent of the batch")
 
 
+# ----------------------------------------------------------------------------- penalties
+
+# Six rows over a 5-token vocabulary: (logits, tokens in the prompt, output counts,
+# (presence, frequency, repetition), expected logits), each worked out by hand.
+_PENALTY_CASES = [
+    ([2.0, -1.0, -INF, 1.0, -0.5], [1, 2], {0: 2}, (0.0, 0.0, 2.0),
+     [1.0, -2.0, -INF, 1.0, -0.5]),  # repetition: positive / 2, negative * 2, -inf stays
+    ([2.0, -1.0, 0.5, 1.0, -0.5], [], {0: 2, 3: 1}, (0.5, 0.0, 1.0),
+     [1.5, -1.0, 0.5, 0.5, -0.5]),  # presence: once per token present
+    ([2.0, -1.0, 0.5, 1.0, -0.5], [], {0: 2, 3: 1}, (0.0, 0.5, 1.0),
+     [1.0, -1.0, 0.5, 0.5, -0.5]),  # frequency: times the count
+    ([2.0, -1.0, 0.5, 1.0, -0.5], [4], {0: 1}, (0.0, 0.0, 0.5),
+     [4.0, -1.0, 0.5, 1.0, -0.25]),  # repetition < 1 encourages, prompt tokens included
+    ([2.0, -1.0, 0.5, 1.0, -0.5], [1], {0: 2}, (0.5, 0.25, 2.0),
+     [0.0, -2.0, 0.5, 1.0, -0.5]),  # all three: 2 / 2 - 0.25 * 2 - 0.5
+    ([2.0, -1.0, 0.5, 1.0, -0.5], [0, 1], {2: 3}, (0.0, 0.0, 1.0),
+     [2.0, -1.0, 0.5, 1.0, -0.5]),  # neutral values: untouched
+]
+
+
+def check_penalties(apply_penalties) -> None:
+    """Exercise 3.5: repetition (prompt + output, divide positive, multiply negative),
+    frequency (times the output count) and presence (once), per row, worked by hand."""
+    import torch
+
+    what = "Exercise 3.5 (apply_penalties)"
+    vocab = 5
+    logits = torch.tensor([c[0] for c in _PENALTY_CASES])
+    prompt = torch.zeros(len(_PENALTY_CASES), vocab)
+    output = torch.zeros(len(_PENALTY_CASES), vocab)
+    for row, (_, prompt_ids, counts, _, _) in enumerate(_PENALTY_CASES):
+        prompt[row, prompt_ids] = 1.0
+        for token, count in counts.items():
+            output[row, token] = float(count)
+    presence, frequency, repetition = (torch.tensor([c[3][i] for c in _PENALTY_CASES])
+                                       for i in range(3))
+    before = logits.clone()
+    with exercise(what):
+        out = apply_penalties(logits, prompt, output, presence, frequency, repetition)
+    require(isinstance(out, torch.Tensor) and out.shape == logits.shape, what,
+            f"expected a tensor of shape {tuple(logits.shape)}, got "
+            f"{getattr(out, 'shape', type(out).__name__)}")
+    require(torch.equal(logits, before), what, "the input logits were modified in place")
+    hints = [("repetition: a positive logit is divided by r, a negative one multiplied by r, "
+              "for tokens seen in the prompt or the output"),
+             "presence: subtract p once for each token whose output count is > 0",
+             "frequency: subtract f times the token's output count",
+             "repetition applies to prompt tokens too; r < 1 makes seen tokens more likely",
+             "the three together: repetition first, then frequency, then presence",
+             "neutral values (r = 1, f = p = 0) must leave the row exactly as it was"]
+    for row, case in enumerate(_PENALTY_CASES):
+        got, want = out[row].tolist(), case[4]
+        require(all(g == w or abs(g - w) < 1e-6 for g, w in zip(got, want)), what,
+                f"row {row} (logits {case[0]}, prompt tokens {case[1]}, output counts {case[2]}, "
+                f"presence/frequency/repetition {case[3]}): got {got}, expected {want}",
+                hints[row])
+    passed(what, f"{len(_PENALTY_CASES)} rows worked by hand: repetition, frequency, presence")
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

@@ -28,7 +28,7 @@ async def stream_events(job: Job, submission: Submission, engine: AsyncEngine) -
             yield sse_event(job.body([{"index": index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}], chunk=True))
         async for outputs in submission.updates():
-            for out in outputs:
+            for out in map(job.view, outputs):
                 latest[out.request_id] = out
                 p = submission.request_ids.index(out.request_id)
                 for c in out.outputs:
@@ -38,7 +38,8 @@ async def stream_events(job: Job, submission: Submission, engine: AsyncEngine) -
                         continue
                     text = c.delta_text if index in started else job.echo(p) + c.delta_text
                     offset = num_sent[index] + len(text) - len(c.delta_text)
-                    logprobs = job.logprobs(c.delta_token_ids, c.logprobs, offset)
+                    logprobs = job.logprobs(c.delta_token_ids, c.logprobs, offset,
+                                            out if index not in started and job.echo(p) else None)
                     yield sse_event(job.body([job.choice(index, text, logprobs, c, delta=True)],
                                              chunk=True))
                     num_sent[index] += len(text)
