@@ -151,6 +151,7 @@ class LLMEngine:
                                    self.eos_token_ids)
         self.attention_cls = attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        self.structured = None  # notebook 04: grammars of constrained requests (on first use)
         self.decoder = None  # Milestone 7: the compiled decode step
         if use_compile:
             self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
@@ -216,9 +217,14 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is "
                              f"{self.max_model_len}: no room for any output token")
         seqs: list[Sequence] = []
+        grammar = None
+        if params.structured_outputs is not None:  # compiled now: an invalid one changes nothing
+            grammar = self._structured_outputs().compile(params.structured_outputs)
         for index in range(params.n):
             parent = seqs[0] if seqs and self.config.enable_prefix_caching else None
             seqs.append(Sequence(next(self._seq_ids), request_id, ids, params, index, parent))
+            if grammar is not None:  # one matcher per completion
+                self.structured.add(seqs[-1].seq_id, grammar)
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         for seq in seqs:
             self._text[seq.seq_id] = _TextState(IncrementalDetokenizer(
@@ -233,6 +239,8 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
             self._text.pop(seq.seq_id, None)
+            if self.structured:
+                self.structured.remove(seq.seq_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -253,6 +261,9 @@ class LLMEngine:
             self.stats.num_prefix_cached_tokens += seq.num_cached_tokens
         sampled = self._run_model(plan.scheduled)
         progressed = self.scheduler.postprocess(plan.scheduled, sampled)
+        if self.structured:  # advance the grammars; a complete one ends its sequence
+            for seq in self.structured.accept(progressed):
+                self.scheduler.finish(seq, "stop")
         self.stats.num_generated_tokens += len(progressed)
         return self._outputs(progressed)
 
@@ -286,6 +297,8 @@ class LLMEngine:
             if not seqs:
                 return {}
             logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
+            if self.structured:  # only rows with a grammar pay for its token mask
+                self.structured.apply_token_bitmask(logits, seqs)
             out = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                                [self._banned_ids(s) for s in seqs])
         tokens = out.token_ids.tolist()
@@ -298,6 +311,8 @@ class LLMEngine:
         batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
                              [s.block_table for s in seqs])
         logits = self.decoder.logits(batch)  # (B, V)
+        if self.structured:
+            self.structured.apply_token_bitmask(logits, seqs)
         params = [s.params for s in seqs]
         if all(p.is_greedy for p in params):
             tokens = logits.argmax(dim=-1)
@@ -321,6 +336,15 @@ class LLMEngine:
             if k > 0 and top_ids is not None:
                 entry.update(zip(top_ids[i][:k], top_lp[i][:k]))
             seq.logprobs.append(entry)
+
+    def _structured_outputs(self):
+        """The grammar manager (notebook 04), built with the first constrained request."""
+        if self.structured is None:
+            from minivllm.structured import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self.structured
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         """min_tokens: EOS and stop token ids may not be sampled until it is reached."""
@@ -384,6 +408,8 @@ class LLMEngine:
                 del self.requests[request_id]
                 for s in request.seqs:
                     self._text.pop(s.seq_id, None)
+                    if self.structured:
+                        self.structured.remove(s.seq_id)
         return outputs
 
 
