@@ -25,6 +25,7 @@ import json
 import logging
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.torch import fill_next_token_bitmask
 
@@ -75,25 +76,24 @@ def compile_grammar(params: StructuredOutputsParams) -> str:
     return grammar
 
 
-_BITS = torch.arange(32, dtype=torch.int32)  # bit b of a 32-bit word is token 32 * word + b
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """In place: in row ``rows[r]`` of logits, every token whose bit in ``bitmask[r]`` is 0
     becomes -inf.
 
-    logits: (B, V) float; bitmask: (R, W) int32 with 32 * W >= the tokenizer's vocabulary
-    (columns past V are tokens the model cannot produce; a model vocabulary padded past the
-    tokenizer's gets its padding masked).
+    logits: (B, V) float; bitmask: (R, W) int32, bit b of word w is token 32 w + b. Columns
+    past 32 W are banned too (a model vocabulary padded past the tokenizer's). The words are
+    unpacked by numpy on the host (``unpackbits`` reads a little-endian word's bytes in token
+    order), which is several times faster than shifting int32 tensors in torch, and the rows
+    are masked in place, so the other rows are not even read.
     """
     vocab = logits.shape[-1]
-    bitmask = bitmask.to(logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).bool()  # (R, W, 32)
-    allowed = allowed.flatten(1)[:, :vocab]  # (R, min(32 W, V))
-    if allowed.shape[1] < vocab:  # the mask ends before the logits do: the rest is banned
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    words = bitmask.numpy().view(np.uint8)  # (R, 4 W): bytes in token order
+    allowed = np.unpackbits(words, axis=-1, count=min(vocab, 8 * words.shape[-1]),
+                            bitorder="little")  # (R, min(V, 32 W)) of 0/1
+    banned = torch.from_numpy(allowed.view(np.bool_)).logical_not().to(logits.device)
+    for r, row in enumerate(rows):
+        logits[row, :banned.shape[1]].masked_fill_(banned[r], float("-inf"))
+        logits[row, banned.shape[1]:] = float("-inf")
 
 
 class StructuredOutputManager:
