@@ -87,10 +87,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     are masked in place, so the other rows are not even read.
     """
     vocab = logits.shape[-1]
-    words = bitmask.numpy().view(np.uint8)  # (R, 4 W): bytes in token order
-    allowed = np.unpackbits(words, axis=-1, count=min(vocab, 8 * words.shape[-1]),
-                            bitorder="little")  # (R, min(V, 32 W)) of 0/1
-    banned = torch.from_numpy(allowed.view(np.bool_)).logical_not().to(logits.device)
+    words = np.invert(bitmask.numpy().view(np.uint8))  # (R, 4 W): bytes in token order, 1 = ban
+    banned = np.unpackbits(words, axis=-1, count=min(vocab, 8 * words.shape[-1]),
+                           bitorder="little")  # (R, min(V, 32 W)) of 0/1
+    banned = torch.from_numpy(banned.view(np.bool_)).to(logits.device)
     for r, row in enumerate(rows):
         logits[row, :banned.shape[1]].masked_fill_(banned[r], float("-inf"))
         logits[row, banned.shape[1]:] = float("-inf")
