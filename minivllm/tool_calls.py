@@ -162,12 +162,13 @@ def _partial_suffix(text: str, token: str) -> int:
 def messages_for_template(messages: list[dict]) -> list[dict]:
     """OpenAI sends a past call's arguments as a JSON string; templates such as Qwen2.5's
     write them with ``| tojson``, which would quote the string again. Decode them (vLLM does
-    the same); arguments that are not JSON stay as they are."""
+    the same); arguments that are not JSON stay as they are. A calling turn without content
+    gets "" (Qwen2.5's template skips it; a template without tools still renders the turn)."""
     out = []
     for message in messages:
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and calls:
-            message = {**message, "tool_calls": [_decoded(c) for c in calls]}
+            message = {"content": "", **message, "tool_calls": [_decoded(c) for c in calls]}
         out.append(message)
     return out
 
