@@ -199,6 +199,7 @@ def test_preemption_keeps_each_matcher(tiny_model, llm):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
+@pytest.mark.slow  # compiling the decode step takes most of its time
 def test_compiled_decode_applies_the_mask(tiny_model, llm):
     """The compiled decode step returns logits; the mask goes on them before sampling, so the
     compiled engine writes the same constrained tokens as the eager one."""
