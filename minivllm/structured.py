@@ -108,6 +108,7 @@ class StructuredOutputManager:
             tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=list(eos_token_ids) or None)
         self.num_words = -(-self.vocab_size // 32)  # int32 words per bitmask row
         self.matchers: dict[int, llguidance.LLMatcher] = {}
+        self.num_consumed: dict[int, int] = {}  # output tokens each matcher has consumed
 
     def __bool__(self) -> bool:
         """True while some sequence has a grammar: the engine's fast-path test."""
@@ -122,9 +123,11 @@ class StructuredOutputManager:
 
     def add(self, seq_id: int, grammar: str) -> None:
         self.matchers[seq_id] = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        self.num_consumed[seq_id] = 0
 
     def remove(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        self.num_consumed.pop(seq_id, None)
 
     def bitmask(self, seq_ids: list[int]) -> torch.Tensor:
         """(len(seq_ids), W) int32: the tokens each sequence's grammar allows next."""
@@ -141,17 +144,19 @@ class StructuredOutputManager:
             apply_token_bitmask(logits, self.bitmask([seqs[r].seq_id for r in rows]), rows)
 
     def accept(self, seqs) -> list:
-        """Advance each constrained sequence's matcher by its newest token; return those still
-        running whose grammar is now complete (nothing but EOS could follow)."""
+        """Advance each constrained sequence's matcher by the output tokens it has not seen
+        (one per decode step); return the sequences still running whose grammar is now
+        complete (nothing but EOS could follow)."""
         done = []
         for seq in seqs:
             matcher = self.matchers.get(seq.seq_id)
             if matcher is None:
                 continue
-            token = seq.token_ids[-1]
-            if not matcher.consume_token(token):  # only if every allowed logit was -inf
-                logger.warning("sequence %s: token %d breaks its grammar (%s); stopping it",
-                               seq.seq_id, token, matcher.get_error())
+            new = seq.output_token_ids[self.num_consumed[seq.seq_id]:]
+            self.num_consumed[seq.seq_id] += len(new)
+            if not matcher.consume_tokens(new):  # only if every allowed logit was -inf
+                logger.warning("sequence %s: tokens %s break its grammar (%s); stopping it",
+                               seq.seq_id, new, matcher.get_error())
             if not seq.is_finished and (matcher.is_stopped() or matcher.is_error()):
                 done.append(seq)
         return done

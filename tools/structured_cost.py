@@ -36,13 +36,15 @@ SCHEMA = {"type": "object", "properties": {
 def measure(manager: StructuredOutputManager, batch: int, steps: int) -> dict[str, float]:
     """Median microseconds per step of fill, apply and consume for ``batch`` constrained rows."""
     grammar = manager.compile(StructuredOutputsParams(json=SCHEMA))
-    seqs = [SimpleNamespace(seq_id=i, token_ids=[], is_finished=False) for i in range(batch)]
+    seqs = [SimpleNamespace(seq_id=i, output_token_ids=[], is_finished=False)
+            for i in range(batch)]
     times = {"fill": [], "apply": [], "consume": [], "argmax": []}
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         if step % 32 == 0:  # fresh matchers now and then, so none is stuck in a long string
             for s in seqs:
                 manager.add(s.seq_id, grammar)
+                s.output_token_ids = []
         logits = torch.randn(batch, manager.vocab_size, generator=gen)
         t0 = time.perf_counter()
         bitmask = manager.bitmask([s.seq_id for s in seqs])
@@ -52,7 +54,7 @@ def measure(manager: StructuredOutputManager, batch: int, steps: int) -> dict[st
         tokens = logits.argmax(dim=-1).tolist()  # for scale: a greedy sampler's whole work
         t2b = time.perf_counter()
         for s, token in zip(seqs, tokens):
-            s.token_ids.append(token)
+            s.output_token_ids.append(token)
         t3 = time.perf_counter()
         manager.accept(seqs)
         t4 = time.perf_counter()
