@@ -457,10 +457,12 @@ class LLM:
         return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template
+        (which also shows the model ``tools``, OpenAI-style function specs, where it can)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                             tools=tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -128,3 +128,31 @@ def test_tools_and_results_through_qwen25_template(qwen25_tokenizer_dir):
     assert text.endswith("<|im_start|>assistant\n")
     ids = tok.encode(text)
     assert tok.token_to_id("<tool_call>") in ids  # Qwen2.5's added token, one id
+
+
+def test_offline_chat_with_a_forced_call(tiny_model, tmp_path):
+    """Offline, as vLLM's ``LLM.chat(..., tools=...)``: the bundled model with Qwen2.5's
+    template and the forcing grammar writes a call that parses and matches the schema."""
+    import shutil
+
+    import jsonschema
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.course.random_weights import QWEN25_CHAT_TEMPLATE
+
+    for f in tiny_model.iterdir():
+        shutil.copyfile(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": QWEN25_CHAT_TEMPLATE}))
+    llm = LLM(str(tmp_path), max_model_len=512, num_blocks=40, compile=False)
+    params = SamplingParams(temperature=0, max_tokens=60,
+                            structured_outputs=tool_call_grammar([WEATHER], "get_weather"))
+    out = llm.chat([{"role": "user", "content": "Weather in Oslo?"}], params, use_tqdm=False,
+                   tools=[WEATHER])[0]
+    assert "# Tools" in llm.get_tokenizer().decode(out.prompt_token_ids)
+    content, calls = parse_tool_calls(out.outputs[0].text)
+    assert out.outputs[0].finish_reason == "stop" and content is None and len(calls) == 1
+    assert calls[0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]),
+                        WEATHER["function"]["parameters"])
