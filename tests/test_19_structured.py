@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import jsonschema
 import pytest
@@ -226,3 +227,29 @@ def test_apply_token_bitmask_by_hand():
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [5, 63]
     assert torch.isfinite(logits[1]).all()
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [32]
+
+
+@pytest.fixture(scope="module")
+def random_tiny(tiny_model, tmp_path_factory):
+    """Random weights in the bundled model's shape (vocabulary 4032), with its tokenizer."""
+    from checkpoints import TINY_COMMON, build_checkpoint
+
+    out = tmp_path_factory.mktemp("random-tiny")
+    build_checkpoint(out, "qwen2", {**TINY_COMMON, "vocab_size": 4032, "eos_token_id": 4002},
+                     seed=19, std=0.15)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(tiny_model / name, out / name)
+    return out
+
+
+def test_random_weights_follow_the_schema(random_tiny):
+    """Random weights write noise unconstrained and valid JSON under the grammar."""
+    llm = LLM(str(random_tiny), compile=False, max_model_len=256, num_blocks=48)
+    noise = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    assert not any(_is_json(o.outputs[0].text) for o in noise)
+    params = [_json(s, temperature=t, seed=1) for s in (PERSON, POINTS) for t in (0, 1.0)]
+    outs = llm.generate(PROMPTS[:1] * len(params), params, use_tqdm=False)
+    for out, schema in zip(outs, [PERSON, PERSON, POINTS, POINTS]):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
