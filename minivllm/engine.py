@@ -206,6 +206,7 @@ class LLMEngine:
                                    self.eos_token_ids)
         self.attention_cls = attention_backend(config.attention_backend)
         self.sampler = Sampler()
+        self.structured = None  # notebook 04: grammars of constrained requests (on first use)
         self.decoder = None  # Milestone 7: the compiled decode step
         if use_compile:
             self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
@@ -283,9 +284,14 @@ class LLMEngine:
                              f"{self.max_model_len}: no room for any output token")
         params.update_from_tokenizer(self.tokenizer, vocab)  # bad words; ids in the vocab
         seqs: list[Sequence] = []
+        grammar = None
+        if params.structured_outputs is not None:  # compiled now: an invalid one changes nothing
+            grammar = self._structured_outputs().compile(params.structured_outputs)
         for index in range(params.n):
             parent = seqs[0] if seqs and self.config.enable_prefix_caching else None
             seqs.append(Sequence(next(self._seq_ids), request_id, ids, params, index, parent))
+            if grammar is not None:  # one matcher per completion
+                self.structured.add(seqs[-1].seq_id, grammar)
         self.requests[request_id] = _Request(
             request_id, text, ids, seqs, RequestMetrics(arrival_time or time.monotonic()),
             None if params.prompt_logprobs is None else [None])
@@ -302,6 +308,8 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
             self._text.pop(seq.seq_id, None)
+            if self.structured:
+                self.structured.remove(seq.seq_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -329,6 +337,9 @@ class LLMEngine:
             sampled = self._run_model(plan.scheduled)
             progressed = self.scheduler.postprocess(plan.scheduled, sampled, self._fail_seq)
             self.stats.num_generated_tokens += len(progressed)
+        if self.structured:  # advance the grammars; a complete one ends its sequence
+            for seq in self.structured.accept(progressed):
+                self.scheduler.finish(seq, "stop")
         return self._outputs(progressed)
 
     def _prepare_inputs(self, scheduled: list[tuple[Sequence, int]]):
@@ -358,6 +369,8 @@ class LLMEngine:
             batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
                                  [s.block_table for s in seqs])
             logits = self.decoder.logits(batch)  # (B, V): a pure decode step, compiled (M7)
+            if self.structured:  # only rows with a grammar pay for its token mask
+                self.structured.apply_token_bitmask(logits, seqs)
             sample = self._sample_compiled
         else:
             input_ids, positions, metadata, rows, seqs = self._prepare_inputs(scheduled)
@@ -366,6 +379,8 @@ class LLMEngine:
             if not seqs:
                 return {}
             logits = self.model.compute_logits(hidden[rows])  # (num sampled, vocab)
+            if self.structured:  # only rows with a grammar pay for its token mask
+                self.structured.apply_token_bitmask(logits, seqs)
             sample = self._sample_eager
         out, seqs = self._sample_isolating_faults(sample, logits, seqs)
         tokens = out.token_ids.tolist()  # -1: that row's logits were NaN or infinite
@@ -388,6 +403,7 @@ class LLMEngine:
         find the culprit(s), so a healthy batch pays one cheap check: a NaN anywhere in a
         sequence's hidden state reaches every one of its logits through lm_head, so column 0
         tells, and a NaN logit elsewhere would be greedy's argmax (torch ranks NaN highest).
+        (-inf is fine: a grammar's token mask writes it.)
         """
         states = [s.generator.get_state() if s.generator is not None else None for s in seqs]
 
@@ -414,8 +430,8 @@ class LLMEngine:
             logits = logits[healthy]
             out = sample(logits, seqs)
         chosen = logits.gather(-1, out.token_ids.unsqueeze(-1)).squeeze(-1)  # (B,)
-        finite = logits[:, 0].isfinite() & chosen.isfinite()
-        out.token_ids = torch.where(finite, out.token_ids, -1)
+        broken = lambda x: x.isnan() | (x == float("inf"))
+        out.token_ids = torch.where(broken(logits[:, 0]) | broken(chosen), -1, out.token_ids)
         return out, seqs
 
     def _sample_eager(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -502,6 +518,8 @@ class LLMEngine:
             if scrub:
                 self._scrub_blocks(seq)
             self.scheduler.finish(seq, "abort")
+            if self.structured:
+                self.structured.remove(seq.seq_id)
         self._failed[request_id] = (request, f"{type(error).__name__}: {error}")
 
     def _fail_seq(self, seq: Sequence, error: Exception) -> None:
@@ -535,6 +553,15 @@ class LLMEngine:
                                          error=message))
         self._failed.clear()
         return outputs
+
+    def _structured_outputs(self):
+        """The grammar manager (notebook 04), built with the first constrained request."""
+        if self.structured is None:
+            from minivllm.structured import StructuredOutputManager
+
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self.structured
 
     def _banned_ids(self, seq: Sequence) -> list[int]:
         """min_tokens: EOS and stop token ids may not be sampled until it is reached."""
@@ -640,6 +667,8 @@ class LLMEngine:
                 del self.requests[request_id]
                 for s in request.seqs:
                     self._text.pop(s.seq_id, None)
+                    if self.structured:
+                        self.structured.remove(s.seq_id)
         return outputs + self._failed_outputs()
 
 
@@ -691,10 +720,12 @@ class LLM:
         return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+             use_tqdm: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the chat template
+        (which also shows the model ``tools``, OpenAI-style function specs, where it can)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                             tools=tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

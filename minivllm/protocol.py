@@ -30,8 +30,16 @@ import jinja2
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 from minivllm.engine import CompletionOutput, RequestOutput
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import SamplingParams, StructuredOutputsParams
+from minivllm.structured import compile_grammar
 from minivllm.tokenizer import Tokenizer
+from minivllm.tool_calls import (
+    ToolCallStream,
+    check_tools,
+    messages_for_template,
+    parse_tool_calls,
+    tool_call_grammar,
+)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
@@ -56,8 +64,6 @@ class OpenAIError(Exception):
 # refused with a 400 unless they hold their neutral value. Other unknown fields are ignored.
 _REFUSED: dict[str, tuple] = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -92,6 +98,13 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None  # vLLM's extra
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -125,8 +138,34 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, compiled once here so that a bad schema is a 400
+        that says why, before the engine sees the request."""
+        given = {name: value for name, value in [
+            ("structured_outputs", self.structured_outputs), ("guided_json", self.guided_json),
+            ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+            ("guided_grammar", self.guided_grammar),
+            ("response_format", _response_format(self.response_format))] if value is not None}
+        if len(given) > 1:
+            raise OpenAIError(f"give one output constraint, not {', '.join(given)}",
+                              param=next(iter(given)))
+        if not given:
+            return None
+        (name, value), = given.items()
+        try:
+            if name == "structured_outputs":
+                params = StructuredOutputsParams(**value)
+            else:
+                params = value if name == "response_format" else StructuredOutputsParams(
+                    **{name.removeprefix("guided_"): value})
+            compile_grammar(params)
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(str(e), param=name) from None
+        return params
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request; its ValueError messages become 400s."""
         def given(value, default):
             return default if value is None else value
@@ -139,6 +178,7 @@ class _Request(BaseModel):
                 word.encode("utf-8")
             except UnicodeEncodeError:
                 raise OpenAIError("bad_words must be valid Unicode text", param="bad_words") from None
+        structured_outputs = structured_outputs or self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
@@ -152,9 +192,26 @@ class _Request(BaseModel):
                 repetition_penalty=given(self.repetition_penalty, 1.0),
                 logit_bias=None if bias is None else {int(t): b for t, b in bias.items()},
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                prompt_logprobs=prompt_logprobs)
+                prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         except ValueError as e:  # "<field> must be ...": the first word names the field
             raise OpenAIError(str(e), param=str(e).split()[0]) from None
+
+
+def _response_format(response_format: dict | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise OpenAIError("response_format json_schema needs json_schema.schema, an object",
+                              param="response_format")
+        return StructuredOutputsParams(json=schema)
+    raise OpenAIError(f"response_format type {kind!r} is not supported (text, json_object, "
+                      "json_schema)", param="response_format")
 
 
 class CompletionRequest(_Request):
@@ -204,6 +261,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None  # e.g. {"enable_thinking": False} for Qwen3
+    tools: list[dict] | None = None  # [{"type": "function", "function": {name, parameters}}]
+    tool_choice: str | dict | None = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -315,6 +375,7 @@ class Job:
     prompt_texts: list[str] = field(default_factory=list)  # for echo (completions)
     stream: bool = False
     include_usage: bool = False
+    parse_tool_calls: bool = False  # chat with tools: <tool_call> blocks become tool_calls
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     echo_only: bool = False  # echo with max_tokens 0: the prompt only (its one token dropped)
@@ -322,6 +383,7 @@ class Job:
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.n = self.params[0].n
+        self.tool_streams: dict[int, ToolCallStream] = {}  # per choice index, when streaming
 
     def engine_requests(self) -> list[tuple[str, list[int], SamplingParams]]:
         """Prompt p is engine request "<id>-p"; its completion k is choice p * n + k (vLLM)."""
@@ -337,14 +399,25 @@ class Job:
 
     def choice(self, index: int, text: str, logprobs: dict | None, completion: CompletionOutput,
                delta: bool) -> dict:
+        finish_reason, calls = completion.finish_reason, []
         if not self.chat:
             content = {"text": text}
+        elif self.parse_tool_calls and delta:
+            stream = self.tool_streams.setdefault(index, ToolCallStream())
+            text, calls = stream.feed(text, final=finish_reason is not None)
+            content = {"delta": {"content": text, **({"tool_calls": calls} if calls else {})}}
+            calls = stream.calls
+        elif self.parse_tool_calls:
+            text, calls = parse_tool_calls(text)
+            content = {"message": {"role": "assistant", "content": text, "tool_calls": calls}}
         elif delta:
             content = {"delta": {"content": text}}
         else:
             content = {"message": {"role": "assistant", "content": text}}
+        if calls and finish_reason is not None:  # vLLM: a reply that calls tools says so
+            finish_reason = "tool_calls"
         return {"index": index, **content, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
 
     def logprobs(self, token_ids: list[int], entries: list | None, text_offset: int,
                  echo: RequestOutput | None = None) -> dict | None:
@@ -419,11 +492,12 @@ def completion_job(body: CompletionRequest, tokenizer: Tokenizer, max_model_len:
 
 
 def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                chat_template_kwargs: dict | None) -> list[int]:
-    """The prompt ids of a conversation, through the model's own chat template."""
+                chat_template_kwargs: dict | None, tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids of a conversation (and its tools), through the model's chat template."""
     try:
-        text = tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                             add_generation_prompt, **(chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(
+            messages_for_template([m.for_template() for m in messages]), add_generation_prompt,
+            tools=tools or None, **(chat_template_kwargs or {}))
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from None
     return encode(tokenizer, text, "messages")
@@ -463,10 +537,24 @@ def chat_job(body: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: i
     """Render the messages through the chat template and check every field."""
     if not body.messages:
         raise OpenAIError("messages must not be empty", param="messages")
+    try:
+        tool_choice = check_tools(body.tools, body.tool_choice)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="tools" if "tools[" in str(e) else "tool_choice") from None
     prompt_ids = render_chat(tokenizer, body.messages, body.add_generation_prompt,
-                             body.chat_template_kwargs)
+                             body.chat_template_kwargs, body.tools)
     max_tokens = check_length(len(prompt_ids), body.requested_max_tokens(), max_model_len)
     num_logprobs = body.num_logprobs()
-    params = body.sampling_params(max_tokens, num_logprobs)
+    forced = None  # "required" or a named function: a grammar that admits only tool calls
+    if tool_choice not in (None, "none", "auto"):
+        if body.structured_outputs_params() is not None:
+            raise OpenAIError("tool_choice cannot be combined with an output constraint",
+                              param="tool_choice")
+        forced = tool_call_grammar(body.tools, tool_choice, body.parallel_tool_calls)
+        try:
+            compile_grammar(forced)
+        except ValueError as e:
+            raise OpenAIError(f"the tools' parameters: {e}", param="tools") from None
+    params = body.sampling_params(max_tokens, num_logprobs, structured_outputs=forced)
     return Job(True, model, tokenizer, [prompt_ids], [params], num_logprobs, [], body.stream,
-               body.include_usage)
+               body.include_usage, parse_tool_calls=tool_choice not in (None, "none"))

@@ -37,6 +37,36 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): set exactly one of json, regex, choice,
+    grammar, json_object. Notebook 04 (``minivllm/structured.py``) compiles it into a grammar
+    whose token mask the engine applies to the request's logits every step."""
+
+    json: dict | str | None = None  # a JSON schema (a dict or its text)
+    regex: str | None = None  # a regular expression the whole output matches
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark or GBNF (llama.cpp) context-free grammar
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = True  # JSON with ", " and ": " only (vLLM's default: False)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {kinds or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k)
+                    is not None) if not self.json_object else "json_object"
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request (vLLM's names and defaults)."""
 
@@ -46,6 +76,7 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 disables
     min_p: float = 0.0  # drop tokens less likely than min_p * p(most likely token)
     seed: int | None = None  # per-request seed: same output whatever else is in the batch
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, ... (04)
     max_tokens: int | None = 16  # output tokens at most (None: up to max_model_len)
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens exist
     stop: list[str] | str | None = None  # stop strings (not included in the text)
@@ -106,6 +137,9 @@ class SamplingParams:
             fail("bad_words must be a list of non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stop):
             fail("stop must be a non-empty string or a list of non-empty strings")

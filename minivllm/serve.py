@@ -10,7 +10,13 @@ became ``vllm serve``; ours stays a module).
 
 import sys
 
-from minivllm.server.cli import main
+# the names serve.py used to define, for code that imports them from here
+from minivllm.server.app import build_app
+from minivllm.server.cli import engine_config, main, parse_args
+from minivllm.server.engine_thread import AsyncEngine
+from minivllm.server.guard import ServerOptions
+
+__all__ = ["AsyncEngine", "ServerOptions", "build_app", "engine_config", "main", "parse_args"]
 
 if __name__ == "__main__" and "get_ipython" not in globals():  # not in the notebook
     sys.exit(main())

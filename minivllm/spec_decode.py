@@ -372,8 +372,8 @@ class SpeculativeDecoder:
         e = self.engine
         if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or e._banned_ids(seq):
             return 0
-        if seq.params.adjusts_logits:  # penalties, biases, bans: the verify rows skip them
-            return 0
+        if seq.params.adjusts_logits or seq.params.structured_outputs is not None:
+            return 0  # penalties, biases, bans, grammars: the verify rows do not apply them
         if self.paused_until.get(seq.seq_id, 0) > self.num_steps:
             return 0
         left = e.max_model_len - seq.num_tokens  # positions the pool may still hold

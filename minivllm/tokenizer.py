@@ -105,6 +105,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_str(self) -> str:
+        """The tokenizer as tokenizer.json text, added tokens included (what llguidance loads)."""
+        return self._tok.to_str()
+
     @property
     def eos_token_id(self) -> int | None:
         eos = self.special_tokens.get("eos_token")

@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from minivllm.course import checks_04
 from minivllm.protocol import merge_outputs, sse_event
+from minivllm.structured import apply_token_bitmask
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "04_openai_server.ipynb"
@@ -31,6 +33,16 @@ def stub_protocol(tmp_path_factory):
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def stub_structured(stub_protocol, tmp_path_factory):
+    """minivllm/structured.py as the learner's stripped notebook exports it."""
+    out = Path(stub_protocol.__file__).parent
+    spec = importlib.util.spec_from_file_location("learner_structured", out / "structured.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_stubs_raise_not_implemented(stub_protocol):
@@ -98,3 +110,39 @@ def test_check_merge_outputs(stub_protocol, wrong):
     for bad in (stub_protocol.merge_outputs, wrong):
         with pytest.raises(AssertionError):
             checks_04.check_merge_outputs(bad)
+
+
+def _bitmask_big_endian(logits, bitmask, rows):
+    """Reads the bits of a word highest first."""
+    import numpy as np
+
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="big")
+    banned = torch.from_numpy(bits[:, :logits.shape[1]] == 0)
+    for r, row in enumerate(rows):
+        logits[row, :banned.shape[1]].masked_fill_(banned[r], float("-inf"))
+        logits[row, banned.shape[1]:] = float("-inf")
+
+
+def _bitmask_keeps_padding(logits, bitmask, rows):
+    """Leaves the logits past the last word alone (a padded vocabulary's tokens sampleable)."""
+    wide = logits.shape[1]
+    narrow = min(wide, 32 * bitmask.shape[1])
+    part = logits[:, :narrow].clone()
+    apply_token_bitmask(part, bitmask, rows)
+    logits[:, :narrow] = part
+
+
+def _bitmask_row_r(logits, bitmask, rows):
+    """Masks logits row r with bitmask[r], not row rows[r]."""
+    apply_token_bitmask(logits, bitmask, list(range(len(rows))))
+
+
+@pytest.mark.parametrize("wrong", [_bitmask_big_endian, _bitmask_keeps_padding, _bitmask_row_r])
+def test_check_apply_token_bitmask(stub_structured, wrong):
+    checks_04.check_apply_token_bitmask(apply_token_bitmask)
+    with pytest.raises(NotImplementedError, match="Exercise 4.3"):
+        stub_structured.apply_token_bitmask(torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int32),
+                                            [0])
+    for bad in (stub_structured.apply_token_bitmask, wrong):
+        with pytest.raises(AssertionError):
+            checks_04.check_apply_token_bitmask(bad)

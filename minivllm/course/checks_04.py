@@ -5,6 +5,8 @@
 * :func:`check_merge_outputs` — Exercise 4.2: a backlog of step outputs folded into one,
   with every step's text and token deltas kept (including steps whose token completed no
   character yet, whose delta_text is empty).
+* :func:`check_apply_token_bitmask` — Exercise 4.3: a grammar's token bitmask applied to the
+  rows of a batch of logits, against a reference that reads the bits one token at a time.
 
 Each raises an AssertionError that says what differs, or prints one pass line.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+
+import torch
 
 from minivllm.engine import CompletionOutput, RequestOutput
 
@@ -115,3 +119,49 @@ def check_merge_outputs(merge_outputs: Callable[[list[RequestOutput]], RequestOu
     assert_equal([c.delta_text for c in single.outputs], ["👋", " b"],
                  what=f"{exercise}: a backlog of one output")
     passed(exercise, "newest state, every step's text and token deltas, inputs untouched")
+
+
+def _reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """apply_token_bitmask the slow, obvious way: token t is bit t % 32 of word t // 32."""
+    out = logits.clone()
+    words = bitmask.tolist()
+    for r, row in enumerate(rows):
+        for t in range(out.shape[1]):
+            w = t // 32
+            if w >= len(words[r]) or not (words[r][w] >> (t % 32)) & 1:
+                out[row, t] = float("-inf")
+    return out
+
+
+def check_apply_token_bitmask(apply_token_bitmask: Callable) -> None:
+    """Exercise 4.3: apply_token_bitmask(logits, bitmask, rows) masks rows[r] by bitmask[r]."""
+    exercise = "Exercise 4.3 (apply_token_bitmask)"
+    gen = torch.Generator().manual_seed(0)
+    sign_bit = torch.tensor([-2**31], dtype=torch.int32)  # bit 31: the last token of a word
+    cases = [  # (what, batch, vocab, words, rows)
+        ("every row, vocabulary = 2 words", 2, 64, 2, [0, 1]),
+        ("rows 2 and 0 of 4 (bitmask row r is logits row rows[r])", 4, 64, 2, [2, 0]),
+        ("a vocabulary that ends inside the last word", 3, 50, 2, [1]),
+        ("logits wider than the mask (a padded vocabulary)", 2, 80, 2, [0, 1]),
+    ]
+    for what, batch, vocab, num_words, rows in cases:
+        logits = torch.randn(batch, vocab, generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), num_words), generator=gen,
+                                dtype=torch.int32)
+        bitmask[0, 0] = sign_bit[0] | 1  # tokens 0 and 31 allowed, the rest of word 0 banned
+        want = _reference_mask(logits, bitmask, rows)
+        got = logits.clone()
+        result = _call(apply_token_bitmask, got, bitmask.clone(), list(rows), exercise=exercise)
+        assert result is None or result is got, (
+            f"{exercise}: mask the logits in place (the engine samples from the same tensor)")
+        banned_want, banned_got = torch.isinf(want), torch.isinf(got)
+        if not torch.equal(banned_want, banned_got):
+            row, token = (banned_want != banned_got).nonzero()[0].tolist()
+            raise AssertionError(
+                f"{exercise}, {what}: logits[{row}, {token}] should be "
+                f"{'-inf' if banned_want[row, token] else 'kept'}, got {got[row, token].item()} "
+                f"(token {token} is bit {token % 32} of word {token // 32}, lowest bit first; "
+                "rows not listed are untouched; tokens past the last word are banned)")
+        assert torch.equal(got[~banned_got], logits[~banned_got]), (
+            f"{exercise}, {what}: the allowed logits must keep their values")
+    passed(exercise, "bit t % 32 of word t // 32, the listed rows only, padding banned")
