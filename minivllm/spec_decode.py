@@ -438,15 +438,24 @@ class SpeculativeDecoder:
                 plain.append((seq, row))
                 row += 1
                 continue
-            emitted[seq.seq_id] = self._accept(seq, d, logits[row:row + len(d) + 1])
-            row += len(d) + 1
+            rows_of_seq, row = logits[row:row + len(d) + 1], row + len(d) + 1
+            if seq.request_id not in e.requests:  # a sibling's failure ended its request
+                continue
+            try:  # a fault here fails this request alone, as in the ordinary step
+                emitted[seq.seq_id] = self._accept(seq, d, rows_of_seq)
+            except Exception as err:  # noqa: BLE001
+                e._fail_request(seq.request_id, err, scrub=isinstance(err, FloatingPointError))
         sampled = self._sample_plain(plain, logits)
         progressed = e.scheduler.postprocess(
-            [(s, n) for s, n in scheduled if s.seq_id not in drafts], sampled)
+            [(s, n) for s, n in scheduled if s.seq_id not in drafts], sampled, e._fail_seq)
         e.stats.num_generated_tokens += len(progressed)
         for seq, _ in scheduled:
-            if seq.seq_id in drafts:
-                self._postprocess(seq, drafts[seq.seq_id], emitted[seq.seq_id])
+            if seq.seq_id in emitted and seq.request_id in e.requests:
+                try:
+                    self._postprocess(seq, drafts[seq.seq_id], emitted[seq.seq_id])
+                except Exception as err:  # noqa: BLE001
+                    e._fail_request(seq.request_id, err)
+                    continue
                 progressed.append(seq)
         return progressed
 
@@ -455,16 +464,28 @@ class SpeculativeDecoder:
         if not plain:
             return {}
         e = self.engine
-        seqs = [s for s, _ in plain]
-        rows = torch.tensor([r for _, r in plain], device=logits.device)
-        out = e._sample_eager(logits[rows], seqs)  # the engine's sampler, with its processors
-        tokens = out.token_ids.tolist()
+        seqs = [s for s, _ in plain if s.request_id in e.requests]
+        rows = torch.tensor([r for s, r in plain if s.request_id in e.requests],
+                            dtype=torch.long, device=logits.device)
+        # the engine's sampler with its processors, a fault in one row failing its request
+        out, seqs = e._sample_isolating_faults(e._sample_eager, logits[rows], seqs)
+        tokens = out.token_ids.tolist()  # -1: NaN or infinite logits
         if out.logprobs is not None:
             e._record_logprobs(seqs, tokens, out)
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+        sampled = {}
+        for seq, token in zip(seqs, tokens):
+            if token < 0:
+                e._fail_request(seq.request_id, FloatingPointError(
+                    "the model's logits for this request are NaN or infinite"), scrub=True)
+            else:
+                sampled[seq.seq_id] = token
+        return sampled
 
     def _accept(self, seq, draft: list[int], logits: torch.Tensor) -> list[int]:
         """The tokens a sequence emits from its k + 1 rows of logits (k + 1, V)."""
+        column = logits[:, 0]  # NaN in a hidden state reaches every logit (see the engine)
+        if bool((column.isnan() | (column == float("inf"))).any()):
+            raise FloatingPointError("the model's logits for this request are NaN or infinite")
         if seq.params.is_greedy:
             tokens = greedy_accept(draft, logits.argmax(dim=-1).tolist())
         else:

@@ -16,7 +16,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.engine import LLM, LLMEngine
 from minivllm.sampling import SamplingParams
-from minivllm.server.faults import FAULT_POINTS, inject_faults
+from minivllm.server.faults import FAULT_POINTS, InjectedFault, inject_faults
 
 MARKER = "POISON"
 GOOD = [
@@ -29,9 +29,13 @@ BAD = (f"{MARKER} the rest of this prompt", SamplingParams(temperature=0, max_to
                                                             ignore_eos=True))
 
 
-def _engine(model) -> LLMEngine:
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+def _engine(model, speculative: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), num_blocks=48, block_size=8,
-                                  max_model_len=256, compile=False, seed=0))
+                                  max_model_len=256, compile=False, seed=0,
+                                  speculative_config=SPEC if speculative else None))
 
 
 def _run(engine: LLMEngine, with_bad: bool, bad_at: int = 1) -> dict[str, object]:
@@ -49,19 +53,36 @@ def _run(engine: LLMEngine, with_bad: bool, bad_at: int = 1) -> dict[str, object
     return final
 
 
-@pytest.fixture(scope="module")
-def clean(tiny_model):
-    final = _run(_engine(tiny_model), with_bad=False)
+def _texts(final: dict) -> dict:
     return {rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs]
             for rid, out in final.items()}
 
 
-def _assert_alone(engine: LLMEngine, final: dict, clean: dict, error: str) -> None:
+@pytest.fixture(scope="module")
+def clean(tiny_model):
+    return _texts(_run(_engine(tiny_model), with_bad=False))
+
+
+@pytest.fixture(scope="module")
+def clean_speculative(tiny_model):
+    engine = _engine(tiny_model, speculative=True)
+    final = _run(engine, with_bad=False)
+    assert engine.stats.num_spec_accepted_tokens > 0  # it did speculate
+    return _texts(final)
+
+
+def _assert_alone(engine: LLMEngine, final: dict, clean: dict, error: str,
+                  greedy_only: bool = False) -> None:
+    """``greedy_only``: with speculation a seeded request's draws depend on which steps it
+    speculated in (exact in distribution, not draw for draw), so only greedy ones compare."""
     bad = final.pop("bad")
     assert bad.error is not None and error in bad.error, bad.error
     assert bad.finished and [c.finish_reason for c in bad.outputs] == ["abort"]
-    got = {rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs]
-           for rid, out in final.items()}
+    got = _texts(final)
+    if greedy_only:
+        greedy = {f"good-{i}" for i, (_, p) in enumerate(GOOD) if p.is_greedy}
+        got = {rid: v for rid, v in got.items() if rid in greedy}
+        clean = {rid: v for rid, v in clean.items() if rid in greedy}
     assert got == clean  # the others: token for token, text for text
     assert all(out.error is None for out in final.values())
     assert not engine.requests and not engine.scheduler.has_unfinished()
@@ -106,3 +127,53 @@ def test_offline_generate_raises_and_leaves_nothing_behind(tiny_model):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
     out = llm.generate([GOOD[0][0]], SamplingParams(temperature=0, max_tokens=8))
     assert out[0].outputs[0].token_ids
+
+
+def _plant_in_speculative_step(engine: LLMEngine, point: str) -> list:
+    """A fault for the poisoned request inside Milestone 8's verify step only: its rows'
+    acceptance raises ("sample"), its k + 1 rows of logits are NaN ("nan"), or its stop check
+    raises while the accepted tokens are appended ("stop"). Returns the list of hits."""
+    spec, hits = engine.spec, []
+    if point in ("sample", "nan"):
+        accept = spec._accept
+
+        def planted_accept(seq, draft, logits):
+            if seq.request_id == "bad":
+                hits.append(point)
+                if point == "sample":
+                    raise InjectedFault(seq.request_id)
+                logits = logits * float("nan")
+            return accept(seq, draft, logits)
+
+        spec._accept = planted_accept
+    else:
+        postprocess, check_stop, inside = spec._postprocess, engine.scheduler.check_stop, []
+
+        def planted_check(seq, token):
+            if seq.request_id == "bad" and inside:
+                hits.append(point)
+                raise InjectedFault(seq.request_id)
+            return check_stop(seq, token)
+
+        def flagged_postprocess(seq, draft, tokens):
+            inside.append(True)
+            try:
+                return postprocess(seq, draft, tokens)
+            finally:
+                inside.pop()
+
+        engine.scheduler.check_stop, spec._postprocess = planted_check, flagged_postprocess
+    return hits
+
+
+@pytest.mark.parametrize("point", ["sample", "nan", "stop"])
+def test_a_fault_in_the_speculative_step_fails_only_its_request(
+        tiny_model, clean_speculative, point):
+    """The same isolation in Milestone 8's verify step, where speculating rows are accepted
+    by `_accept` and the others sampled by the engine's sampler in the same pass."""
+    engine = _engine(tiny_model, speculative=True)
+    hits = _plant_in_speculative_step(engine, point)
+    final = _run(engine, with_bad=True)
+    assert hits, "the poisoned request never speculated"
+    _assert_alone(engine, final, clean_speculative,
+                  "NaN or infinite" if point == "nan" else "injected fault", greedy_only=True)

@@ -63,24 +63,48 @@ def inject_faults(engine: LLMEngine, spec: str) -> None:
 
     if point == "model":
         run_model = engine._run_model
-        engine._run_model = lambda scheduled: (fail_if_poisoned([s for s, _ in scheduled]),
-                                               run_model(scheduled))[1]
+
+        def run_model_or_fail(scheduled):
+            fail_if_poisoned([seq for seq, _ in scheduled])
+            return run_model(scheduled)
+
+        engine._run_model = run_model_or_fail
     elif point == "sample":
         sample_isolating = engine._sample_isolating_faults
 
-        def wrap(sample):
-            return lambda logits, seqs: (fail_if_poisoned(seqs), sample(logits, seqs))[1]
+        def sample_isolating_with_fault(sample, logits, seqs):
+            def sample_or_fail(logits, seqs):
+                fail_if_poisoned(seqs)
+                return sample(logits, seqs)
 
-        engine._sample_isolating_faults = lambda sample, logits, seqs: sample_isolating(
-            wrap(sample), logits, seqs)
+            return sample_isolating(sample_or_fail, logits, seqs)
+
+        engine._sample_isolating_faults = sample_isolating_with_fault
+        if engine.spec is not None:  # Milestone 8: a speculating row is sampled by _accept
+            accept = engine.spec._accept
+
+            def accept_or_fail(seq, draft, logits):
+                fail_if_poisoned([seq])
+                return accept(seq, draft, logits)
+
+            engine.spec._accept = accept_or_fail
     elif point == "stop":
         check_stop = engine.scheduler.check_stop
-        engine.scheduler.check_stop = lambda seq, token: (fail_if_poisoned([seq]),
-                                                          check_stop(seq, token))[1]
+
+        def check_stop_or_fail(seq, token):
+            fail_if_poisoned([seq])
+            return check_stop(seq, token)
+
+        engine.scheduler.check_stop = check_stop_or_fail
     elif point == "detokenize":
         update_text = engine._update_text
-        engine._update_text = lambda seq: (fail_if_poisoned([seq]), update_text(seq))[1]
-    else:  # nan
+
+        def update_text_or_fail(seq):
+            fail_if_poisoned([seq])
+            return update_text(seq)
+
+        engine._update_text = update_text_or_fail
+    else:  # nan: the poisoned request's logits are NaN
         sample_isolating = engine._sample_isolating_faults
 
         def poison_rows(sample, logits, seqs):
@@ -91,6 +115,13 @@ def inject_faults(engine: LLMEngine, spec: str) -> None:
             return sample_isolating(sample, logits, seqs)
 
         engine._sample_isolating_faults = poison_rows
+        if engine.spec is not None:  # Milestone 8: a speculating row's logits go to _accept
+            accept = engine.spec._accept
+
+            def accept_poisoned(seq, draft, logits):
+                return accept(seq, draft, logits * float("nan") if is_poisoned(seq) else logits)
+
+            engine.spec._accept = accept_poisoned
 
 
 def hold_while(engine: LLMEngine, path: str) -> None:
