@@ -359,7 +359,15 @@ VALID = {  # values the server must accept, to mix with the schema's junk
     "seed": st.integers(0, 2**31), "stop": st.lists(TEXT, max_size=2) | TEXT,
     "stream": st.booleans(), "ignore_eos": st.booleans(), "min_tokens": st.integers(0, 3),
     "stop_token_ids": st.lists(st.integers(0, 2000), max_size=3),
-    "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans()}
+    "skip_special_tokens": st.booleans(), "include_stop_str_in_output": st.booleans(),
+    # issue 19's sampling fields, valid values: the fuzz reaches the engine with them too
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 2000).map(str), st.floats(-100, 100),
+                                  max_size=3),
+    "allowed_token_ids": st.lists(st.integers(0, 2000), min_size=1, max_size=5),
+    "bad_words": st.lists(TEXT, max_size=2),
+    "guided_choice": st.lists(TEXT, min_size=1, max_size=3)}
 COMPLETION = {**VALID, "prompt": TEXT | st.lists(TEXT, min_size=1, max_size=3)
               | st.lists(st.integers(0, 2000), min_size=1, max_size=12),
               "echo": st.booleans(), "logprobs": st.integers(0, 5)}
