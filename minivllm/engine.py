@@ -382,6 +382,11 @@ class LLMEngine:
             if self.structured:  # only rows with a grammar pay for its token mask
                 self.structured.apply_token_bitmask(logits, seqs)
             sample = self._sample_eager
+        return self._sample_rows(sample, logits, seqs)
+
+    def _sample_rows(self, sample, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
+        """{seq_id: token} for one row of logits per sequence; a row at fault fails its
+        request (and is left out) while the others are sampled as usual."""
         out, seqs = self._sample_isolating_faults(sample, logits, seqs)
         tokens = out.token_ids.tolist()  # -1: that row's logits were NaN or infinite
         if out.logprobs is not None:

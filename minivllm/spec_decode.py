@@ -468,18 +468,7 @@ class SpeculativeDecoder:
         rows = torch.tensor([r for s, r in plain if s.request_id in e.requests],
                             dtype=torch.long, device=logits.device)
         # the engine's sampler with its processors, a fault in one row failing its request
-        out, seqs = e._sample_isolating_faults(e._sample_eager, logits[rows], seqs)
-        tokens = out.token_ids.tolist()  # -1: NaN or infinite logits
-        if out.logprobs is not None:
-            e._record_logprobs(seqs, tokens, out)
-        sampled = {}
-        for seq, token in zip(seqs, tokens):
-            if token < 0:
-                e._fail_request(seq.request_id, FloatingPointError(
-                    "the model's logits for this request are NaN or infinite"), scrub=True)
-            else:
-                sampled[seq.seq_id] = token
-        return sampled
+        return e._sample_rows(e._sample_eager, logits[rows], seqs)
 
     def _accept(self, seq, draft: list[int], logits: torch.Tensor) -> list[int]:
         """The tokens a sequence emits from its k + 1 rows of logits (k + 1, V)."""
