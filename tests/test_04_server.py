@@ -518,7 +518,9 @@ def test_metrics_need_no_api_key_but_v1_does(tiny_model):
     app = build_app(engine, ["m"], options=ServerOptions(api_key="sekret"))
     with TestClient(app) as http:
         assert http.get("/metrics").status_code == 200
-        assert "vllm:num_requests_running" in http.get("/metrics").text
+        page = http.get("/metrics").text
+        assert "vllm:num_requests_running" in page
+        assert "vllm:spec_decode_num_draft_tokens_total" in page  # Milestone 8's counters
         assert http.get("/v1/models").status_code == 401
         ok = http.get("/v1/models", headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
