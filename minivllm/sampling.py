@@ -334,6 +334,26 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], token_ids
                            column("frequency_penalty"), column("repetition_penalty"))
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a row is drawn from: / temperature, top-k, top-p, min-p, softmax.
+
+    logits: (B, V) float32 -> (B, V) probabilities. Greedy rows get temperature 1 (their
+    token is the argmax; speculative decoding's acceptance reads this too, notebook 08).
+    """
+    device = logits.device
+    temperature = torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params], device=device
+    )
+    logits = logits / temperature.unsqueeze(-1)
+    if any(p.top_k > 0 for p in params):
+        logits = mask_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        logits = mask_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+    if any(p.min_p > 0.0 for p in params):
+        logits = mask_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+    return logits.softmax(dim=-1)
+
+
 class Sampler:
     """Batched sampler over one step's logits; see the module docstring for the pipeline."""
 
@@ -358,18 +378,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)  # (B,)
         if bool(greedy.all()):
             return greedy_ids
-        device = logits.device
-        temperature = torch.tensor(
-            [1.0 if p.is_greedy else p.temperature for p in params], device=device
-        )
-        logits = logits / temperature.unsqueeze(-1)
-        if any(p.top_k > 0 for p in params):
-            logits = mask_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
-        if any(p.top_p < 1.0 for p in params):
-            logits = mask_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        if any(p.min_p > 0.0 for p in params):
-            logits = mask_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        sampled_ids = exponential_race(logits.softmax(dim=-1), generators)
+        sampled_ids = exponential_race(sampling_probs(logits, params), generators)
         return torch.where(greedy, greedy_ids, sampled_ids)
 
     @staticmethod

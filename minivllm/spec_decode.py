@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.kv_cache import AttentionMetadata, BlockManager, KVCachePool
-from minivllm.sampling import SamplingParams, mask_min_p, mask_top_k, mask_top_p
+from minivllm.sampling import SamplingParams, sampling_probs
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a step's rows are mostly rejected work
@@ -181,19 +181,10 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """The distribution the sampler draws from, per row: temperature, top-k, top-p, min-p.
 
     logits: (R, V) float32, params: one per row -> (R, V) probabilities. Greedy rows are not
-    used (they go through ``greedy_accept``); they get temperature 1 here.
+    used (they go through ``greedy_accept``). It is the sampler's own pipeline
+    (``sampling.sampling_probs``), so acceptance and sampling can never disagree.
     """
-    device = logits.device
-    temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
-                               device=device)
-    logits = logits / temperature.unsqueeze(-1)
-    if any(p.top_k > 0 for p in params):
-        logits = mask_top_k(logits, torch.tensor([p.top_k for p in params], device=device))
-    if any(p.top_p < 1.0 for p in params):
-        logits = mask_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-    if any(p.min_p > 0.0 for p in params):
-        logits = mask_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-    return logits.softmax(dim=-1)
+    return sampling_probs(logits, params)
 
 
 def rollback(block_manager: BlockManager, block_table: list[int], num_computed_tokens: int) -> None:
