@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.compile import DecodeInputs
 from minivllm.kv_cache import AttentionMetadata, BlockManager, KVCachePool
 from minivllm.sampling import SamplingParams, sampling_probs
 
@@ -401,26 +402,7 @@ class SpeculativeDecoder:
     def _verify(self, scheduled, drafts: dict[int, list[int]]) -> list:
         """One target pass over the plan plus the drafts; accept, roll back, post-process."""
         e = self.engine
-        input_ids, positions, num_new, rows, sampled_seqs = [], [], [], [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start:start + n] + drafts.get(seq.seq_id, [])
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            num_new.append(len(tokens))
-            if start < seq.num_prompt_tokens:
-                e.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
-            if start + n == seq.num_tokens:  # it samples: its last row, or all k + 1 rows
-                rows.extend(range(len(input_ids) - len(tokens) + (n - 1), len(input_ids)))
-                sampled_seqs.append(seq)
-        metadata = AttentionMetadata.build([s.block_table for s, _ in scheduled],
-                                           [s.num_computed_tokens for s, _ in scheduled],
-                                           num_new, e.config.block_size, e.device,
-                                           pad_block=e.num_blocks)  # padding: the scratch block
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=e.device)
-        hidden = e.model(as_tensor(input_ids), as_tensor(positions),
-                         e.attention_cls(e.pool, metadata))
-        logits = e.model.compute_logits(hidden[as_tensor(rows)]).float()  # (rows, V)
+        logits, sampled_seqs = self._score(scheduled, drafts)  # (rows, V)
         emitted: dict[int, list[int]] = {}
         plain, row = [], 0
         for seq in sampled_seqs:
@@ -450,6 +432,40 @@ class SpeculativeDecoder:
                 progressed.append(seq)
         return progressed
 
+    def _score(self, scheduled, drafts: dict[int, list[int]]) -> tuple[torch.Tensor, list]:
+        """The target's logits for every row that samples (a plain decode's one row, a
+        speculating sequence's k + 1), in plan order, and the sequences they belong to."""
+        e = self.engine
+        input_ids, positions, num_new, rows, sampled_seqs, row_tables = [], [], [], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + n] + drafts.get(seq.seq_id, [])
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            num_new.append(len(tokens))
+            row_tables.extend([seq.block_table] * len(tokens))
+            if start < seq.num_prompt_tokens:
+                e.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
+            if start + n == seq.num_tokens:  # it samples: its last row, or all k + 1 rows
+                rows.extend(range(len(input_ids) - len(tokens) + (n - 1), len(input_ids)))
+                sampled_seqs.append(seq)
+        if e.decoder is not None and len(rows) == len(input_ids):
+            # Every row samples, so the step is decodes only (some with drafts). Row i of a
+            # speculating sequence is then a decode of its own: its token at position
+            # start + i, a context of start + i + 1. Milestone 7's compiled decode graph runs
+            # the whole verification: each layer writes every row's k/v into the pool before
+            # any row reads, and the context length keeps row i off the drafts after it.
+            batch = DecodeInputs(input_ids, [p + 1 for p in positions], row_tables)
+            return e.decoder.logits(batch), sampled_seqs
+        metadata = AttentionMetadata.build([s.block_table for s, _ in scheduled],
+                                           [s.num_computed_tokens for s, _ in scheduled],
+                                           num_new, e.config.block_size, e.device,
+                                           pad_block=e.num_blocks)  # padding: the scratch block
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=e.device)
+        hidden = e.model(as_tensor(input_ids), as_tensor(positions),
+                         e.attention_cls(e.pool, metadata))
+        return e.model.compute_logits(hidden[as_tensor(rows)]).float(), sampled_seqs
+
     def _sample_plain(self, plain, logits) -> dict[int, int]:
         """Sequences without a draft sample their one row with the engine's sampler."""
         if not plain:
@@ -458,8 +474,11 @@ class SpeculativeDecoder:
         seqs = [s for s, _ in plain if s.request_id in e.requests]
         rows = torch.tensor([r for s, r in plain if s.request_id in e.requests],
                             dtype=torch.long, device=logits.device)
+        logits = logits[rows]
+        if e.structured:  # a plain row with a grammar gets its token mask, as in _run_model
+            e.structured.apply_token_bitmask(logits, seqs)
         # the engine's sampler with its processors, a fault in one row failing its request
-        return e._sample_rows(e._sample_eager, logits[rows], seqs)
+        return e._sample_rows(e._sample_eager, logits, seqs)
 
     def _accept(self, seq, draft: list[int], logits: torch.Tensor) -> list[int]:
         """The tokens a sequence emits from its k + 1 rows of logits (k + 1, V)."""

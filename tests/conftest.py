@@ -96,3 +96,13 @@ def random_engine_model(tiny_random_qwen2, qwen25_tokenizer_dir, tmp_path_factor
         for f in src.iterdir():
             shutil.copyfile(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def compiled_random(random_engine_model):
+    """One engine with the decode step compiled (Milestone 7), shared by every test that needs
+    one: test_07_compile.py, and test_08_spec_decode.py's compiled verification."""
+    from minivllm import LLM
+
+    return LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+               max_num_seqs=4, max_num_batched_tokens=24, compile=True)

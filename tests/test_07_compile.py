@@ -3,7 +3,8 @@
 The Milestone 1 and 3 parity checks, rerun with the decode step compiled on the CPU
 (inductor): greedy tokens must equal transformers token for token, a seeded sampled request
 must give the eager engine's tokens, and decoding must never recompile after the warm-up.
-One compiled engine per model is shared by the module (compiling takes tens of seconds).
+One compiled engine per model is shared by the session (`compiled_random` in conftest.py:
+compiling takes tens of seconds).
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from minivllm.compile import bucket, compile_enabled_by_default, decode_slots
 from minivllm.kv_cache import slot_of
 
 
-@pytest.fixture(scope="module")
-def compiled_random(random_engine_model):
-    return LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
-               max_num_seqs=4, max_num_batched_tokens=24, compile=True)
 
 
 def test_compiled_engine_is_really_compiled(compiled_random):

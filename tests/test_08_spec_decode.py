@@ -340,3 +340,58 @@ def test_a_bench_variant_and_the_server_flag_carry_a_speculative_config():
                         {"num_spec_proposed_tokens": 14, "num_spec_accepted_tokens": 10,
                          "num_spec_verifications": 4})
     assert delta["spec_acceptance_rate"] == 0.8 and delta["spec_mean_accepted_length"] == 5.0
+
+
+def test_compiled_verification_is_exact_and_never_recompiles(compiled_random, random_engine_model,
+                                                             monkeypatch):
+    """With the decode step compiled (Milestone 7), a verification of decodes only runs through
+    the compiled decode graph — row i of a speculating sequence as a decode of its own — and
+    stays token for token transformers' greedy output, under preemption, without compiling a
+    new graph; steps with a prefill chunk keep the eager pass."""
+    from torch._dynamo.utils import counters
+
+    from minivllm.spec_decode import SpeculativeDecoder
+
+    engine = compiled_random.engine
+    monkeypatch.setattr(engine, "spec", SpeculativeDecoder(engine, SpeculativeConfig.parse(
+        ngram(3, prompt_lookup_min=1))))
+    compiled_rows, eager_passes = [], []
+    logits, attention = engine.decoder.logits, engine.attention_cls
+    monkeypatch.setattr(engine.decoder, "logits",
+                        lambda batch: compiled_rows.append(len(batch.input_ids)) or logits(batch))
+    monkeypatch.setattr(engine, "attention_cls",  # built by every eager pass, never compiled
+                        lambda *a: eager_passes.append(1) or attention(*a))
+    # repeated spans: the random model's greedy text loops, so the n-gram lookup keeps hitting
+    prompts = [[11, 12, 13, 14] * 3, [40, 41, 42] * 4 + [40], [300, 301] * 5, [7, 8, 9] * 4]
+    graphs_before = counters["stats"]["unique_graphs"]
+    stats_before = (engine.stats.num_spec_verifications, engine.stats.num_spec_accepted_tokens)
+    outs = compiled_random.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                    use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == graphs_before, "verification recompiled"
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 24), f"prompt {i}"
+    assert engine.stats.num_spec_verifications > stats_before[0]
+    assert engine.stats.num_spec_accepted_tokens > stats_before[1]
+    assert max(compiled_rows) > len(prompts)  # some compiled step carried draft rows
+    assert eager_passes  # the prefills (and any step mixing one in) stay eager
+    assert engine.block_manager.num_free_blocks == engine.num_blocks  # nothing leaked
+
+
+def test_a_grammar_request_beside_a_speculating_one_keeps_its_grammar():
+    """A request with structured outputs never speculates, but it can share a verification
+    step with one that does: its single row must still get its grammar's token mask."""
+    import re
+
+    from minivllm.sampling import StructuredOutputsParams
+
+    llm = LLM(TINY_MODEL, speculative_config=ngram(3, prompt_lookup_min=1), **OPTIONS)
+    regex = r"([0-9]{3}-){6}[0-9]{3}"  # long enough to share many steps with the others
+    constrained = SamplingParams(temperature=0, max_tokens=48,
+                                 structured_outputs=StructuredOutputsParams(regex=regex))
+    outs = llm.generate(PROMPTS[:2] * 2, [GREEDY, constrained, GREEDY, constrained],
+                        use_tqdm=False)
+    assert llm.engine.stats.num_spec_verifications > 0  # the greedy ones did speculate
+    for out in outs[1::2]:
+        assert out.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
