@@ -364,7 +364,8 @@ def test_compiled_verification_is_exact_and_never_recompiles(compiled_random, ra
     # repeated spans: the random model's greedy text loops, so the n-gram lookup keeps hitting
     prompts = [[11, 12, 13, 14] * 3, [40, 41, 42] * 4 + [40], [300, 301] * 5, [7, 8, 9] * 4]
     graphs_before = counters["stats"]["unique_graphs"]
-    stats_before = (engine.stats.num_spec_verifications, engine.stats.num_spec_accepted_tokens)
+    stats_before = (engine.stats.num_spec_verifications, engine.stats.num_spec_accepted_tokens,
+                    engine.stats.num_preemptions)
     outs = compiled_random.generate([{"prompt_token_ids": p} for p in prompts],
                                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                     use_tqdm=False)
@@ -373,6 +374,7 @@ def test_compiled_verification_is_exact_and_never_recompiles(compiled_random, ra
         assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 24), f"prompt {i}"
     assert engine.stats.num_spec_verifications > stats_before[0]
     assert engine.stats.num_spec_accepted_tokens > stats_before[1]
+    assert engine.stats.num_preemptions > stats_before[2]  # 12 blocks of 8 for four sequences
     assert max(compiled_rows) > len(prompts)  # some compiled step carried draft rows
     assert eager_passes  # the prefills (and any step mixing one in) stay eager
     assert engine.block_manager.num_free_blocks == engine.num_blocks  # nothing leaked
