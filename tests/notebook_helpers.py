@@ -45,3 +45,40 @@ def mutate(module: ModuleType, *edits: tuple[str, str]) -> ModuleType:
     sys.modules[name] = mutant
     exec(compile(source, mutant.__file__, "exec"), mutant.__dict__)  # noqa: S102 (a mutant)
     return mutant
+
+
+def grader_tests(graders, reference: ModuleType, mutants: dict, absent: str = "passed"):
+    """The three tests every graded notebook of one module shares, made once here.
+
+    ``graders(module)`` maps a grader's name to a call that grades ``module``; ``mutants``
+    maps a planted wrong answer's name to ``(grader or [graders], [(old, new), ...])``.
+    The tests: each grader fails on the learner's stub (fixture ``learner``) and passes on the
+    reference, and the graders named by each mutant fail on it; a failing grader never prints
+    ``absent`` (its success line). Assign the returned functions to ``test_*`` names.
+    """
+    import pytest
+
+    names = list(graders(reference))
+
+    @pytest.mark.parametrize("grader", names)
+    def fails_on_the_stub(learner, grader, capsys):
+        with pytest.raises(AssertionError, match="not implemented yet"):
+            graders(learner)[grader]()
+        assert absent not in capsys.readouterr().out
+
+    @pytest.mark.parametrize("grader", names)
+    def passes_on_the_reference(grader, capsys):
+        graders(reference)[grader]()
+        assert "✅" in capsys.readouterr().out
+
+    @pytest.mark.parametrize("name", list(mutants))
+    def fails_on_a_planted_wrong_answer(name, capsys):
+        targets, edits = mutants[name]
+        mutant = mutate(reference, *edits)
+        assert mutant is not reference
+        for grader in [targets] if isinstance(targets, str) else targets:
+            with pytest.raises(AssertionError):
+                graders(mutant)[grader]()
+        assert absent not in capsys.readouterr().out
+
+    return fails_on_the_stub, passes_on_the_reference, fails_on_a_planted_wrong_answer

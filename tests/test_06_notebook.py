@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import export_learner, mutate
+from notebook_helpers import export_learner, grader_tests
 
 import minivllm.attention as ref
 from minivllm.course import checks_06 as checks
@@ -28,11 +28,6 @@ def learner(tmp_path_factory):
     return export_learner(NOTEBOOK, tmp_path_factory.mktemp("nb06"), ["attention"], "nb06")["attention"]
 
 
-def mutant(*edits: tuple[str, str]):
-    """minivllm.attention re-imported from its source with each (old, new) replacement."""
-    return mutate(ref, *edits)
-
-
 def _graders(m):
     return {
         "build_group": lambda: checks.check_build_group(m.build_group),
@@ -40,9 +35,6 @@ def _graders(m):
         "attend_group": lambda: checks.check_attend_group(m.attend_group),
         "batched_attention": lambda: checks.check_batched_attention(m.BatchedAttention),
     }
-
-
-GRADERS = list(_graders(ref))
 
 
 def test_every_exercise_is_a_stub(learner):
@@ -58,19 +50,6 @@ def test_every_exercise_is_a_stub(learner):
         with pytest.raises(NotImplementedError, match=label):
             call()
     assert set(learner.BACKENDS) == set(ref.BACKENDS)
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_fails_on_the_stub(learner, grader, capsys):
-    with pytest.raises(AssertionError, match="not implemented yet"):
-        _graders(learner)[grader]()
-    assert "✅" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_passes_on_the_reference(grader, capsys):
-    _graders(ref)[grader]()
-    assert "✅" in capsys.readouterr().out
 
 
 QUERY_POS = "query_pos = (seq_len - q_len).unsqueeze(1) + torch.arange(max_q)"
@@ -125,14 +104,8 @@ MUTANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_check_fails_on_a_planted_wrong_answer(name, capsys):
-    graders, edits = MUTANTS[name]
-    m = mutant(*edits)
-    for grader in graders:
-        with pytest.raises(AssertionError):
-            _graders(m)[grader]()
-    assert "✅" not in capsys.readouterr().out
+(test_check_fails_on_the_stub, test_check_passes_on_the_reference,
+ test_check_fails_on_a_planted_wrong_answer) = grader_tests(_graders, ref, MUTANTS, absent="✅")
 
 
 def test_engine_parity_check(learner, random_engine_model, capsys):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import export_learner, mutate
+from notebook_helpers import export_learner, grader_tests
 
 import minivllm.compile as ref
 from minivllm.course import checks_07 as checks
@@ -29,11 +29,6 @@ def learner(tmp_path_factory):
     return export_learner(NOTEBOOK, tmp_path_factory.mktemp("nb07"), ["compile"], "nb07")["compile"]
 
 
-def mutant(*edits: tuple[str, str]):
-    """minivllm/compile.py re-imported from its source with each (old, new) replacement."""
-    return mutate(ref, *edits)
-
-
 def _graders(m):
     return {
         "slots": lambda: checks.check_decode_slots(m.decode_slots),
@@ -41,9 +36,6 @@ def _graders(m):
         "padding": lambda: checks.check_bucket_padding(m.CompiledDecoder, m.DecodeInputs),
         "sample": lambda: checks.check_sample_logits(m.sample_logits),
     }
-
-
-GRADERS = list(_graders(ref))
 
 
 def test_every_exercise_is_a_stub(learner):
@@ -64,19 +56,6 @@ def test_every_exercise_is_a_stub(learner):
     for label, call in calls.items():
         with pytest.raises(NotImplementedError, match=label):
             call()
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_fails_on_the_stub(learner, grader, capsys):
-    with pytest.raises(AssertionError, match="not implemented yet"):
-        _graders(learner)[grader]()
-    assert "passed" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_passes_on_the_reference(grader, capsys):
-    _graders(ref)[grader]()
-    assert "✅" in capsys.readouterr().out
 
 
 MUTANTS = {
@@ -124,9 +103,5 @@ MUTANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_check_fails_on_a_planted_wrong_answer(name, capsys):
-    grader, edits = MUTANTS[name]
-    with pytest.raises(AssertionError):
-        _graders(mutant(*edits))[grader]()
-    assert "passed" not in capsys.readouterr().out
+(test_check_fails_on_the_stub, test_check_passes_on_the_reference,
+ test_check_fails_on_a_planted_wrong_answer) = grader_tests(_graders, ref, MUTANTS)

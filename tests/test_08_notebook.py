@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import export_learner, mutate
+from notebook_helpers import export_learner, grader_tests
 
 import minivllm.spec_decode as ref
 from minivllm.course import checks_08 as checks
@@ -40,9 +40,6 @@ def _graders(m):
     }
 
 
-GRADERS = list(_graders(ref))
-
-
 def test_every_exercise_is_a_stub(learner):
     calls = {
         "Exercise 8.1: ngram_propose": lambda: learner.ngram_propose([1, 2, 1], 2, 2, 1),
@@ -54,19 +51,6 @@ def test_every_exercise_is_a_stub(learner):
     for label, call in calls.items():
         with pytest.raises(NotImplementedError, match=label):
             call()
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_fails_on_the_stub(learner, grader, capsys):
-    with pytest.raises(AssertionError, match="not implemented yet"):
-        _graders(learner)[grader]()
-    assert "passed" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_passes_on_the_reference(grader, capsys):
-    _graders(ref)[grader]()
-    assert "✅" in capsys.readouterr().out
 
 
 MUTANTS = {
@@ -116,14 +100,5 @@ MUTANTS = {
 }
 
 
-def mutant(*edits: tuple[str, str]):
-    """minivllm/spec_decode.py re-imported from its source with each (old, new) replacement."""
-    return mutate(ref, *edits)
-
-
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_check_fails_on_a_planted_wrong_answer(name, capsys):
-    grader, edits = MUTANTS[name]
-    with pytest.raises(AssertionError):
-        _graders(mutant(*edits))[grader]()
-    assert "passed" not in capsys.readouterr().out
+(test_check_fails_on_the_stub, test_check_passes_on_the_reference,
+ test_check_fails_on_a_planted_wrong_answer) = grader_tests(_graders, ref, MUTANTS)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from notebook_helpers import export_learner, mutate
+from notebook_helpers import export_learner, grader_tests
 
 import minivllm.parallel as ref
 from minivllm.config import ModelConfig
@@ -36,9 +36,6 @@ def _graders(m):
     }
 
 
-GRADERS = list(_graders(ref))
-
-
 def test_every_exercise_is_a_stub(learner):
     config = ModelConfig.from_dict({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8,
                                     "intermediate_size": 8, "num_hidden_layers": 1,
@@ -54,19 +51,6 @@ def test_every_exercise_is_a_stub(learner):
     for label, call in calls.items():
         with pytest.raises(NotImplementedError, match=label):
             call()
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_fails_on_the_stub(learner, grader, capsys):
-    with pytest.raises(AssertionError, match="not implemented yet"):
-        _graders(learner)[grader]()
-    assert "passed" not in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("grader", GRADERS)
-def test_check_passes_on_the_reference(grader, capsys):
-    _graders(ref)[grader]()
-    assert "✅" in capsys.readouterr().out
 
 
 MUTANTS = {
@@ -97,10 +81,5 @@ MUTANTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_check_fails_on_a_planted_wrong_answer(name, capsys):
-    grader, edits = MUTANTS[name]
-    with pytest.raises(AssertionError):
-        _graders(mutant := mutate(ref, *edits))[grader]()
-    assert mutant is not ref
-    assert "passed" not in capsys.readouterr().out
+(test_check_fails_on_the_stub, test_check_passes_on_the_reference,
+ test_check_fails_on_a_planted_wrong_answer) = grader_tests(_graders, ref, MUTANTS)
