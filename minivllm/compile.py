@@ -32,6 +32,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from minivllm.attention import attend_group, gather_blocks
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
@@ -119,15 +121,53 @@ def _dynamic(t: torch.Tensor, *dims: int) -> torch.Tensor:
     return t
 
 
+@torch.library.custom_op("minivllm::matvec", mutates_args=())
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(1, K) row times the (N, K) weight -> (1, N), through torch.mv.
+
+    A custom op, so that inductor calls it as it is instead of lowering it to ``mm``."""
+    return torch.mv(weight, x[0]).unsqueeze(0)
+
+
+@matvec.register_fake
+def _matvec_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(1, weight.shape[0])  # what the compiler needs: shape, dtype, device
+
+
+class SingleRowLinear(nn.Linear):
+    """``nn.Linear`` whose one-row bf16 CPU inputs go through ``matvec`` (torch.mv)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and not x.is_cuda:
+            out = matvec(x, self.weight)  # (1, out_features)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_matvec_for_single_rows(model: nn.Module) -> int:
+    """Turn every ``nn.Linear`` of a bf16 CPU model into a ``SingleRowLinear`` in place
+    (the class only: same weights, same state dict). Returns how many were turned; 0 for
+    float32 or CUDA models, which keep ``F.linear``."""
+    weight = next(model.parameters())
+    if weight.dtype != torch.bfloat16 or weight.is_cuda:
+        return 0
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for module in linears:
+        module.__class__ = SingleRowLinear
+    return len(linears)
+
+
 class CompiledDecoder:
     """Owns the compiled decode functions and pads batches into their buckets."""
 
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
-                 scratch_block: int, device: torch.device):
+                 scratch_block: int, device: torch.device, single_row_matvec: bool = True):
         self.model, self.kv, self.block_size = model, kv, block_size
         self.scratch_block = scratch_block
         self.device = device
         self.on_cuda = device.type == "cuda"
+        # One bf16 row on a CPU: the model's linears take torch.mv (see SingleRowLinear)
+        self.matvec_linears = use_matvec_for_single_rows(model) if single_row_matvec else 0
         # A CPU batch of 1 is not padded to 2 rows: a 2-row matmul leaves the matrix-vector
         # path (the 0.5B lm_head: 82 ms for 2 rows vs 34 ms for 1), so batch 1 gets its own
         # specialised graph, compiled in the warm-up. CUDA graphs keep buckets of >= 2.
@@ -215,10 +255,11 @@ def _inductor_cache_dir() -> str:
 
 
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,
-                device: torch.device, vocab_size: int) -> CompiledDecoder | None:
+                device: torch.device, vocab_size: int,
+                single_row_matvec: bool = True) -> CompiledDecoder | None:
     """A warmed-up CompiledDecoder, or None (with one clear warning) where compiling fails."""
     try:
-        decoder = CompiledDecoder(model, kv, block_size, scratch_block, device)
+        decoder = CompiledDecoder(model, kv, block_size, scratch_block, device, single_row_matvec)
         decoder.warmup(vocab_size)
         return decoder
     except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)

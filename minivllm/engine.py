@@ -210,7 +210,8 @@ class LLMEngine:
         self.decoder = None  # Milestone 7: the compiled decode step
         if use_compile:
             self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
-                                       self.num_blocks, self.device, mc.vocab_size)
+                                       self.num_blocks, self.device, mc.vocab_size,
+                                       single_row_matvec=config.single_row_matvec)
         self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
         self.stats = EngineStats()
         self.spec = None  # Milestone 8: the speculative step, when configured

@@ -197,12 +197,31 @@ def test_engine_options_parse_by_field_type_and_map_to_serve_flags():
     # compile's default is on: the server must be told explicitly either way
     assert serve_flags({"compile": False}) == ["--no-compile"]
     assert serve_flags({"compile": True}) == ["--compile"]
+    assert serve_flags({"single_row_matvec": False}) == ["--no-single-row-matvec"]
+
     with pytest.raises(SystemExit):
         parse_engine_options(["no_such_field=1"])
     parsed, out = parse_args(["--concurrency", "1,8,32", "--ramp", "--ramp-cap", "128"])
     assert parsed.engine_options["max_num_seqs"] == 128  # the engine must admit the ramp
     assert out.parent == Path("bench/results") and out.suffix == ".jsonl"
     assert parse_args(["--concurrency", "1,8,32"])[0].engine_options == {}  # 64 admits 32
+
+
+def test_every_boolean_engine_option_reaches_the_server_both_ways():
+    """Guards: a default-on option (single_row_matvec) turned off by the bench becoming no
+    flag at all, so the server ran its default and the record said otherwise."""
+    import dataclasses
+
+    from minivllm.config import EngineConfig
+    from minivllm.server.cli import engine_config
+    from minivllm.server.cli import parse_args as serve_args
+
+    booleans = [f.name for f in dataclasses.fields(EngineConfig) if f.type.startswith("bool")]
+    assert {"enable_prefix_caching", "compile", "single_row_matvec"} <= set(booleans)
+    for name in booleans:
+        for value in (True, False):
+            config = engine_config(serve_args(["--port", "8000", *serve_flags({name: value})]))
+            assert getattr(config, name) is value, (name, value)
 
 
 def test_cli_defaults_are_engine_config_defaults():

@@ -9,15 +9,19 @@ compiling takes tens of seconds).
 
 from __future__ import annotations
 
+import copy
 import random
 import warnings
 
 import pytest
 import torch
 from hf_oracle import hf_greedy
+from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 from minivllm import LLM, SamplingParams
-from minivllm.compile import bucket, compile_enabled_by_default, decode_slots
+from minivllm.compile import (SingleRowLinear, bucket, compile_enabled_by_default, decode_slots,
+                              use_matvec_for_single_rows)
 from minivllm.kv_cache import slot_of
 
 
@@ -27,6 +31,7 @@ def test_compiled_engine_is_really_compiled(compiled_random):
     engine = compiled_random.engine
     assert engine.decoder is not None and engine.compile_seconds > 0
     assert engine.pool.num_blocks == engine.num_blocks + 1  # the padding rows' scratch block
+    assert engine.decoder.matvec_linears == 0  # float32: the linears keep F.linear
 
 
 def test_compiled_m3_parity_with_preemption_and_chunking(compiled_random, random_engine_model):
@@ -132,3 +137,65 @@ def test_compiled_decode_applies_the_logits_processors(compiled_random, random_e
     assert got == want
     assert set(got[2]) <= set(range(100, 300)) and 40 not in got[1]
     assert got[3] == hf_greedy(random_engine_model, prompts[3]["prompt_token_ids"], 12)
+
+
+def _two_linears() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 40, bias=False))
+
+
+def test_single_row_matvec_swaps_only_the_linears_of_a_bf16_cpu_model(monkeypatch):
+    """Guards: float32 (what the parity tests compare) leaving F.linear; the swap touching
+    the weights or the state dict; two rows or more taking torch.mv (which would read the
+    weights once per row)."""
+    fp32 = _two_linears()
+    assert use_matvec_for_single_rows(fp32) == 0
+    assert all(type(m) is nn.Linear for m in fp32)
+
+    bf16 = _two_linears().to(torch.bfloat16)
+    reference = copy.deepcopy(bf16)
+    keys = list(bf16.state_dict())
+    assert use_matvec_for_single_rows(bf16) == 2
+    assert all(isinstance(m, SingleRowLinear) for m in bf16)
+    assert list(bf16.state_dict()) == keys and bf16[0].weight is not reference[0].weight
+
+    mv_calls = []
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda *a: mv_calls.append(1) or real_mv(*a))
+    with torch.inference_mode():
+        one = torch.randn(1, 32, dtype=torch.bfloat16)
+        assert torch.allclose(bf16(one).float(), reference(one).float(), rtol=2e-2, atol=2e-2)
+        assert len(mv_calls) == 2  # both layers, through the custom op
+        three = torch.randn(3, 32, dtype=torch.bfloat16)
+        assert torch.equal(bf16(three), reference(three))  # F.linear, bit for bit
+        assert len(mv_calls) == 2
+
+
+def test_one_row_matvec_stays_a_custom_op_when_compiled():
+    """Guards: inductor lowering the one-row product to its own loop or to mm (both read a
+    bf16 weight more slowly than torch.mv on a CPU); the two-row graph keeps the mm."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96).to(torch.bfloat16)
+    expected = copy.deepcopy(layer)
+    use_matvec_for_single_rows(layer)
+    with torch.inference_mode():
+        for rows, calls_matvec in ((1, True), (2, False)):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            out, (code,) = run_and_get_code(torch.compile(layer, dynamic=False), x)
+            assert ("torch.ops.minivllm.matvec" in code) is calls_matvec, rows
+            assert torch.allclose(out.float(), expected(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_engine_passes_single_row_matvec_to_the_compiled_step(random_engine_model,
+                                                                  monkeypatch):
+    """Guards: EngineConfig.single_row_matvec (and so --no-single-row-matvec) not reaching
+    CompiledDecoder."""
+    import minivllm.engine as engine_module
+
+    seen = []
+    monkeypatch.setattr(engine_module, "try_compile",
+                        lambda *args, **kwargs: seen.append(kwargs["single_row_matvec"]))
+    for option in (True, False):
+        LLM(str(random_engine_model), block_size=8, num_blocks=8, max_model_len=64,
+            compile=True, single_row_matvec=option)
+    assert seen == [True, False]

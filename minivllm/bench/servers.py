@@ -71,10 +71,8 @@ def serve_flags(options: dict) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if key == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
-        elif key == "compile":
-            flags += ["--compile" if value else "--no-compile"]
-        elif isinstance(value, bool):
-            flags += [flag] if value else []
+        elif isinstance(value, bool):  # BooleanOptionalAction: --compile / --no-compile
+            flags += [flag if value else "--no-" + flag[2:]]
         elif isinstance(value, dict):  # speculative_config: JSON, as vLLM's flag takes it
             import json
 

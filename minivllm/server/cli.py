@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["batched", "loop"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=engine.compile,
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
+    p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
+                   default=engine.single_row_matvec,
+                   help="a compiled CPU decode of one bf16 row runs its linears as torch.mv")
     p.add_argument("--seed", type=int, default=engine.seed)
     p.add_argument("--speculative-config", default=engine.speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -99,6 +102,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
+        "single_row_matvec": args.single_row_matvec,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
