@@ -139,7 +139,11 @@ def model_name(record: dict) -> str:
 
 def group_of(record: dict) -> Group:
     env = record["env"]
-    return Group(model_name(record), env["device"], env["dtype"])
+    device = env["device"]
+    caps = env.get("isa_caps") or {}
+    if caps:  # a bf16 machine run with its instruction set capped (AVX2) is a figure of its own
+        device += "-" + (caps.get("ONEDNN_MAX_CPU_ISA") or next(iter(caps.values()))).lower()
+    return Group(model_name(record), device, env["dtype"])
 
 
 def group_slug(group: Group) -> str:

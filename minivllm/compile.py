@@ -168,6 +168,9 @@ class CompiledDecoder:
         self.on_cuda = device.type == "cuda"
         # One bf16 row on a CPU: the model's linears take torch.mv (see SingleRowLinear)
         self.matvec_linears = use_matvec_for_single_rows(model) if single_row_matvec else 0
+        if self.matvec_linears:
+            logger.info("one-row bf16 steps: %d linears take torch.mv (single_row_matvec)",
+                        self.matvec_linears)
         # A CPU batch of 1 is not padded to 2 rows: a 2-row matmul leaves the matrix-vector
         # path (the 0.5B lm_head: 82 ms for 2 rows vs 34 ms for 1), so batch 1 gets its own
         # specialised graph, compiled in the warm-up. CUDA graphs keep buckets of >= 2.

@@ -15,6 +15,7 @@ milestones use (KV-cache size, batch limits, attention backend); it is validated
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -180,6 +181,30 @@ def cpu_flags() -> frozenset[str]:
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in hardware
+# Environment variables that keep a process below its CPU's instruction set, read once when
+# each library loads: ATen's own kernels and inductor's generated C++ (ATEN_CPU_CAPABILITY),
+# oneDNN, which runs the bf16 matmuls (ONEDNN_MAX_CPU_ISA), and MKL, which runs the float32
+# ones (MKL_ENABLE_INSTRUCTIONS). With all three at AVX2, an AMX machine behaves like an
+# AVX2-only one for every kernel torch picks (the memory and caches stay its own).
+ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# the values of the first two below the bf16 instructions (MKL's cap touches float32 only)
+_BELOW_NATIVE_BF16 = {
+    "ATEN_CPU_CAPABILITY": {"default", "avx2"},
+    "ONEDNN_MAX_CPU_ISA": {"sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core",
+                           "avx512_core_vnni"},
+}
+
+
+def isa_caps() -> dict[str, str]:
+    """The instruction-set caps this process was started with, e.g.
+    ``{"ONEDNN_MAX_CPU_ISA": "AVX2"}``; empty when every library may use the whole CPU."""
+    return {name: os.environ[name] for name in ISA_CAP_VARIABLES if os.environ.get(name)}
+
+
+def bf16_capped_by() -> list[str]:
+    """The caps (``NAME=value``) that keep this process from the CPU's bf16 instructions."""
+    return [f"{name}={value}" for name, value in isa_caps().items()
+            if value.lower() in _BELOW_NATIVE_BF16.get(name, ())]
 # Below this many parameters a one-user decode step is bound by per-op overhead, not by
 # streaming the weights, and bf16 only adds conversions: on an AMX CPU the 4 M-parameter
 # bundled model decodes one request 0.77x as fast in bf16 as in fp32, while 32 requests of
@@ -203,6 +228,9 @@ def auto_dtype(device: torch.device | str, model_config: ModelConfig) -> tuple[t
     native = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
     if not native:
         return torch.float32, "this CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+    if capped := bf16_capped_by():
+        return torch.float32, (f"this CPU has native bf16 ({', '.join(native)}) but the "
+                               f"process is capped below it ({', '.join(capped)})")
     n = model_config.num_parameters
     if n < BF16_MIN_PARAMETERS:
         return torch.float32, (f"{n / 1e6:.0f} M parameters: too small for bf16 to pay "

@@ -246,6 +246,18 @@ def test_resolve_dtype_auto_follows_the_cpu(tiny_random_qwen2, monkeypatch):
     assert resolve_dtype("auto", "cpu", big_bf16) == torch.float32
     assert "no native bf16" in config.auto_dtype("cpu", big_bf16)[1]
     assert resolve_dtype("auto", "cuda", big_bf16) == torch.bfloat16
+    # an AMX machine told to behave like an AVX2 one (docs/decisions.md, issue 15)
+    monkeypatch.setattr(config, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert resolve_dtype("auto", "cpu", big_bf16) == torch.float32
+    assert "capped below it (ONEDNN_MAX_CPU_ISA=AVX2)" in config.auto_dtype("cpu", big_bf16)[1]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap above bf16: no change
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # float32's library only
+    assert resolve_dtype("auto", "cpu", big_bf16) == torch.bfloat16
+    assert config.isa_caps() == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+                                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert resolve_dtype("auto", "cpu", big_bf16) == torch.float32
     assert resolve_dtype("float16", "cpu", big_bf16) == torch.float16
     assert resolve_dtype("float32", "cpu", big_bf16) == torch.float32
 

@@ -324,6 +324,8 @@ def test_cpu_features_name_the_cpu_and_its_bf16():
     assert line == ("CPU: AMD EPYC 9R45 (Zen 5) (2 CPUs, 2 torch threads); "
                     "bf16 native (avx512_bf16)")
     assert "bf16 not native (avx2, fma)" in machine_line({"cpu": avx2})
+    capped = {"cpu": cpu, "isa_caps": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+    assert machine_line(capped).endswith("bf16 native (avx512_bf16); capped: ONEDNN_MAX_CPU_ISA=AVX2")
     here = cpu_features()  # this machine: whatever it is, a name and a verdict
     assert here["model_name"] and isinstance(here["native_bf16"], bool)
 
@@ -550,3 +552,21 @@ def test_sampling_options_reach_the_in_process_engine(tiny_model):
     drive_closed_loop(engine, requests, 1, sampling=opts.sampling)
     assert seen[0].repetition_penalty == 1.3 and seen[0].logit_bias == {13: -100.0}
     assert seen[0].max_tokens == 6 and seen[0].ignore_eos and seen[0].temperature == 0.0
+
+
+def test_the_environment_records_instruction_set_caps_and_ignores_its_own_results(
+        monkeypatch, tmp_path):
+    """Guards: an AVX2-capped run on an AMX machine recorded as an ordinary one; and every
+    engine after the first of a run marked git_dirty because the run appended to the
+    committed results file."""
+    from minivllm.bench import env as bench_env
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    calls = []
+    monkeypatch.setattr(bench_env, "_git", lambda *args: calls.append(args) or "")
+    record = bench_env.environment("m", "cpu", "auto")
+    assert record["isa_caps"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert record["aten_cpu_capability"]  # what ATen's kernels picked in this process
+    status = next(args for args in calls if args[0] == "status")
+    assert ":(exclude)bench/results" in status and record["git_dirty"] is False
+

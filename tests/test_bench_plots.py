@@ -52,6 +52,17 @@ def test_groups_keep_models_dtypes_and_devices_apart_and_drop_ramps():
         "bundled-tiny-cpu-float32"
 
 
+def test_a_run_with_its_instruction_set_capped_is_a_figure_of_its_own():
+    """Guards: an AMX machine run as an AVX2 one (float32) drawn on the axes of a real
+    float32 run of another machine."""
+    capped = headline(label="avx2")
+    for r in capped:
+        r["env"]["isa_caps"] = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    got = plotting.groups(headline() + capped)
+    assert set(got) == {("qwen-a", "cpu", "float32"), ("qwen-a", "cpu-avx2", "float32")}
+    assert plotting.group_slug(plotting.group_of(capped[0])) == "qwen-a-cpu-avx2-float32"
+
+
 def test_a_level_with_repeats_shows_its_median_run_and_every_run_behind_it():
     records = [rec("x", "minivllm", "fixed", c, t, repeat=i)
                for i, t in enumerate((10.0, 30.0, 20.0)) for c in (1, 8)]

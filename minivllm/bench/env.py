@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from minivllm.config import NATIVE_BF16_FLAGS
+from minivllm.config import NATIVE_BF16_FLAGS, isa_caps
 
 BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
 
@@ -218,12 +218,16 @@ def environment(model: str, device: str, dtype: str) -> dict:
     run asked for; each engine then records the dtype it actually ran."""
     import torch
 
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # dirty = code changed since the commit; the results files this run appends to do not count
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":(exclude)bench/results")
     return {"device": device, "device_name": device_name(device), "cpu": cpu_features(),
             "dtype": dtype, "dtype_requested": dtype,
             "torch": torch.__version__, "transformers": _version("transformers"),
             "vllm": _version("vllm"), "python": platform.python_version(),
             "hostname": socket.gethostname(), "cpu_count": psutil.cpu_count(),
+            # an AMX machine told to behave like an AVX2 one says so (config.ISA_CAP_VARIABLES)
+            "isa_caps": isa_caps(), "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch_threads": torch.get_num_threads(), "model": str(model),
             "model_shape": model_summary(model), "git_commit": _git("rev-parse", "HEAD"),
             "git_dirty": bool(status) if status is not None else None}
@@ -237,5 +241,7 @@ def machine_line(env: dict) -> str:
     native = f"bf16 native ({', '.join(bf16)})" if cpu.get("native_bf16") else \
         f"bf16 not native ({', '.join(cpu.get('flags', [])[:3]) or 'no vector flags found'})"
     gpu = f"; GPU: {env['device_name']}" if str(env.get("device", "")).startswith("cuda") else ""
+    caps = env.get("isa_caps") or {}
+    capped = "; capped: " + ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else ""
     return (f"CPU: {cpu.get('model_name', '?')} ({env.get('cpu_count', '?')} CPUs, "
-            f"{env.get('torch_threads', '?')} torch threads); {native}{gpu}")
+            f"{env.get('torch_threads', '?')} torch threads); {native}{capped}{gpu}")
