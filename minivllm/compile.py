@@ -166,7 +166,6 @@ class CompiledDecoder:
         self.scratch_block = scratch_block
         self.device = device
         self.on_cuda = device.type == "cuda"
-        use_own_cache_under_isa_caps()
         # One bf16 row on a CPU: the model's linears take torch.mv (see SingleRowLinear)
         self.matvec_linears = use_matvec_for_single_rows(model) if single_row_matvec else 0
         if self.matvec_linears:
@@ -256,28 +255,6 @@ def _inductor_cache_dir() -> str:
         return cache_dir()
     except Exception:  # noqa: BLE001 -- private API: the log line only
         return "unknown"
-
-
-def use_own_cache_under_isa_caps() -> str | None:
-    """Give a process started with instruction-set caps (``config.isa_caps``, e.g.
-    ``ATEN_CPU_CAPABILITY=avx2``) an inductor cache of its own, and return its path.
-
-    Inductor's cache does not key its compiled graphs on the cap. A 0.5B server started
-    under AVX2 caps on a machine whose cache held the uncapped graphs died with a
-    segmentation fault in the warm-up (torch 2.13); with a cache of its own it ran. A cache
-    directory the user chose (``TORCHINDUCTOR_CACHE_DIR``) is left alone."""
-    from minivllm.config import isa_caps
-
-    caps = isa_caps()
-    if not caps or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-        return None
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # private API moved: leave the cache as it is
-        return None
-    suffix = "-".join(f"{name}_{value}".lower() for name, value in sorted(caps.items()))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{suffix}"
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,

@@ -199,21 +199,3 @@ def test_the_engine_passes_single_row_matvec_to_the_compiled_step(random_engine_
         LLM(str(random_engine_model), block_size=8, num_blocks=8, max_model_len=64,
             compile=True, single_row_matvec=option)
     assert seen == [True, False]
-
-
-def test_a_process_under_isa_caps_compiles_into_a_cache_of_its_own(monkeypatch):
-    """Guards: a server started with ATEN_CPU_CAPABILITY=avx2 loading graphs that inductor
-    compiled without the cap (its cache key ignores it): the 0.5B warm-up segfaulted."""
-    from minivllm.compile import use_own_cache_under_isa_caps
-
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
-        monkeypatch.delenv(name, raising=False)
-    assert use_own_cache_under_isa_caps() is None  # no caps: inductor's default cache
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    path = use_own_cache_under_isa_caps()
-    assert path.endswith("-aten_cpu_capability_avx2-onednn_max_cpu_isa_avx2")
-    assert torch._inductor.runtime.cache_dir_utils.cache_dir() == path
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")
-    assert use_own_cache_under_isa_caps() is None  # the user's choice stands
