@@ -185,7 +185,8 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in 
 # each library loads: ATen's own kernels and inductor's generated C++ (ATEN_CPU_CAPABILITY),
 # oneDNN, which runs the bf16 matmuls (ONEDNN_MAX_CPU_ISA), and MKL, which runs the float32
 # ones (MKL_ENABLE_INSTRUCTIONS). With all three at AVX2, an AMX machine behaves like an
-# AVX2-only one for every kernel torch picks (the memory and caches stay its own).
+# AVX2-only one for every kernel torch picks (the memory and caches stay its own); but see
+# docs/decisions.md (issue 15) before capping ATen: torch 2.13's compile warm-up crashed.
 ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 # the values of the first two below the bf16 instructions (MKL's cap touches float32 only)
 _BELOW_NATIVE_BF16 = {
@@ -205,6 +206,8 @@ def bf16_capped_by() -> list[str]:
     """The caps (``NAME=value``) that keep this process from the CPU's bf16 instructions."""
     return [f"{name}={value}" for name, value in isa_caps().items()
             if value.lower() in _BELOW_NATIVE_BF16.get(name, ())]
+
+
 # Below this many parameters a one-user decode step is bound by per-op overhead, not by
 # streaming the weights, and bf16 only adds conversions: on an AMX CPU the 4 M-parameter
 # bundled model decodes one request 0.77x as fast in bf16 as in fp32, while 32 requests of
