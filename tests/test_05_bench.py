@@ -193,7 +193,7 @@ def test_engine_options_parse_by_field_type_and_map_to_serve_flags():
                     "enable_prefix_caching": False, "max_model_len": None,
                     "gpu_memory_utilization": 0.5}
     assert serve_flags(opts) == ["--attention-backend", "loop", "--max-num-seqs", "128",
-                                 "--no-prefix-caching", "--gpu-memory-utilization", "0.5"]
+                                 "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"]
     # compile's default is on: the server must be told explicitly either way
     assert serve_flags({"compile": False}) == ["--no-compile"]
     assert serve_flags({"compile": True}) == ["--compile"]

@@ -1,6 +1,7 @@
 """The compiled decode step with and without `single_row_matvec`, alternated in one process.
 
     python tools/matvec_ab.py [--model M] [--rows 1] [--context 160] [--pairs 20]
+    python tools/matvec_ab.py --level engine [--model M] [--pairs 6] [--output-len 48]
 
 Why this exists: on a CPU, a bf16 decode step of one row is as fast as the kernel that reads
 the weights, and ``torch.mv`` reads them faster than ATen's ``mm`` (notebook 07, "One bf16 row
@@ -10,6 +11,11 @@ machine, more than the effect, so this tool builds both compiled steps over one 
 the machine's drift falls on both. It prints each side's median time per step and the median
 of the per-pair ratios (with matvec / without). Needs a bf16 model on a CPU (a float32 model
 is never swapped, and the tool says so).
+
+``--level engine`` measures one level up: two ``LLM``s in one process, one with the option and
+one without, alternate one greedy request each (a 128-token prompt, ``--output-len`` tokens
+out), so the scheduler, the sampler and the detokeniser are in the timing too. It prints the
+per-pair ratio of the request times and each side's median compiled call inside the engine.
 """
 
 from __future__ import annotations
@@ -31,8 +37,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", type=int, default=1, help="decode rows per step")
     p.add_argument("--context", type=int, default=160, help="context tokens per row")
-    p.add_argument("--pairs", type=int, default=20, help="timed steps of each side")
+    p.add_argument("--pairs", type=int, default=20, help="timed steps (engine: requests) of each side")
+    p.add_argument("--level", choices=["step", "engine"], default="step",
+                   help="step: the compiled decode step alone; engine: whole requests")
+    p.add_argument("--output-len", type=int, default=48, help="engine level: tokens per request")
     args = p.parse_args()
+    if args.level == "engine":
+        return engine_level(args)
 
     llm = LLM(args.model, dtype=args.dtype, single_row_matvec=False)  # side A: F.linear
     engine = llm.engine
@@ -69,6 +80,44 @@ def main() -> None:
           f"{statistics.median(times['without']) * 1e3:.1f} ms, with "
           f"{statistics.median(times['with']) * 1e3:.1f} ms per step; with/without per pair: "
           f"median {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+
+
+
+def engine_level(args: argparse.Namespace) -> None:
+    """Two engines in one process, alternating whole greedy requests (A B B A ...)."""
+    from minivllm import SamplingParams
+
+    llms = {name: LLM(args.model, dtype=args.dtype, single_row_matvec=on)
+            for name, on in (("with", True), ("without", False))}
+    if llms["with"].engine.decoder is None or llms["with"].engine.decoder.matvec_linears == 0:
+        raise SystemExit(f"nothing to compare: a compiled {args.dtype} model on a CPU is needed")
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(1000, 1128))}
+    calls: dict[str, list[float]] = {"with": [], "without": []}
+    for name, llm in llms.items():
+        llm.generate([prompt], params, use_tqdm=False)  # warm: first request of each engine
+        decoder = llm.engine.decoder
+        untimed = decoder.logits
+
+        def timed(batch, untimed=untimed, name=name):  # the compiled call inside the engine
+            start = time.perf_counter()
+            out = untimed(batch)
+            calls[name].append(time.perf_counter() - start)
+            return out
+        decoder.logits = timed
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    for i in range(args.pairs):
+        for name in (("without", "with") if i % 2 else ("with", "without")):
+            start = time.perf_counter()
+            llms[name].generate([prompt], params, use_tqdm=False)
+            times[name].append(time.perf_counter() - start)
+    ratios = [w / wo for w, wo in zip(times["with"], times["without"])]
+    print(f"engine, {args.output_len} tokens per request: without matvec "
+          f"{statistics.median(times['without']):.2f} s, with {statistics.median(times['with']):.2f} s "
+          f"per request; with/without per pair: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.2f}-{max(ratios):.2f}); compiled call inside the engine: without "
+          f"{statistics.median(calls['without']) * 1e3:.1f} ms, with "
+          f"{statistics.median(calls['with']) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

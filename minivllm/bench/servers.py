@@ -69,9 +69,7 @@ def serve_flags(options: dict) -> list[str]:
     flags: list[str] = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
-        if key == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
-        elif isinstance(value, bool):  # BooleanOptionalAction: --compile / --no-compile
+        if isinstance(value, bool):  # BooleanOptionalAction: --compile / --no-compile
             flags += [flag if value else "--no-" + flag[2:]]
         elif isinstance(value, dict):  # speculative_config: JSON, as vLLM's flag takes it
             import json
