@@ -7,10 +7,10 @@ The idea: ``F.linear(x, W)`` on a CPU hands oneDNN the weight as its *second* op
 its bf16 kernels re-lay-out on every call (VNNI blocks), so a decode step reads every weight
 about twice. ``torch.mm(W, x.t())`` makes the weight the *first* operand, read as stored, and
 re-lays-out only the few rows of ``x``. In a microbenchmark over one model's worth of
-weights (24 layers and the lm_head of the 0.5B shape) that is 0.63-0.88x the time at 2-64
-rows on this AMX Xeon, and 0.74-0.84x with oneDNN capped below AMX
-(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, the path of an AVX512-BF16 CPU such as Zen 4/5);
-at 17-32 rows on AMX it needs the rows padded to 40 to win. This tool asks the question that
+weights (24 layers and the lm_head of the 0.5B shape) that is 0.63-0.88x the time at most
+row counts from 2 to 64 on this AMX Xeon (some counts between 17 and 32 win only when padded
+to 40 rows), and 0.74-0.84x at 16-32 rows with oneDNN capped below AMX
+(``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, the path of an AVX512-BF16 CPU such as Zen 4/5). This tool asks the question that
 decides: is the *compiled decode step* faster? Side B swaps the model's linears (a copy, same
 weights) for ones that call ``W @ x^T`` through a custom op for 2-64 rows (``--pad-to N``
 pads 17..N-1 rows to N first), compiles it over the same KV pool, and alternates the two
