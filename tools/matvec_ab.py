@@ -31,6 +31,19 @@ from minivllm import LLM
 from minivllm.compile import CompiledDecoder, DecodeInputs
 
 
+def alternate(sides: dict, run, pairs: int) -> dict[str, list[float]]:
+    """Seconds of ``run(side)`` for two sides, ``pairs`` times each, in the order A B B A A B
+    ..., so that the machine's drift falls on both sides alike."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(pairs):
+        for name in (names[::-1] if i % 2 else names):
+            start = time.perf_counter()
+            run(sides[name])
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="checkpoints/qwen2.5-0.5b-random")
@@ -63,18 +76,12 @@ def main() -> None:
     blocks = -(-args.context // bs)
     tables = [[row * blocks + i for i in range(blocks)] for row in range(args.rows)]
     batch = DecodeInputs([5] * args.rows, [args.context] * args.rows, tables)
-    times: dict[str, list[float]] = {"without": [], "with": []}
     sides = {"without": plain, "with": with_matvec}
     with torch.inference_mode():
         a, b = plain.logits(batch), with_matvec.logits(batch)
         print(f"max |logits A - B| {float((a - b).abs().max()):.3g}, same argmax: "
               f"{bool((a.argmax(-1) == b.argmax(-1)).all())}")
-        for i in range(args.pairs):
-            order = ("without", "with") if i % 2 else ("with", "without")
-            for name in order:
-                start = time.perf_counter()
-                sides[name].logits(batch)
-                times[name].append(time.perf_counter() - start)
+        times = alternate(sides, lambda side: side.logits(batch), args.pairs)
     ratios = [w / wo for w, wo in zip(times["with"], times["without"])]
     print(f"rows={args.rows} context={args.context}: without matvec "
           f"{statistics.median(times['without']) * 1e3:.1f} ms, with "
@@ -105,12 +112,7 @@ def engine_level(args: argparse.Namespace) -> None:
             calls[name].append(time.perf_counter() - start)
             return out
         decoder.logits = timed
-    times: dict[str, list[float]] = {"with": [], "without": []}
-    for i in range(args.pairs):
-        for name in (("without", "with") if i % 2 else ("with", "without")):
-            start = time.perf_counter()
-            llms[name].generate([prompt], params, use_tqdm=False)
-            times[name].append(time.perf_counter() - start)
+    times = alternate(llms, lambda llm: llm.generate([prompt], params, use_tqdm=False), args.pairs)
     ratios = [w / wo for w, wo in zip(times["with"], times["without"])]
     print(f"engine, {args.output_len} tokens per request: without matvec "
           f"{statistics.median(times['without']):.2f} s, with {statistics.median(times['with']):.2f} s "

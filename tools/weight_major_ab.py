@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from matvec_ab import alternate  # tools/ is on the path of a script run from it
 from torch import nn
 
 from minivllm import LLM
@@ -107,18 +107,14 @@ def main() -> None:
         tables = [[row * blocks + i for i in range(blocks)] for row in range(rows)]
         batch = DecodeInputs([5 + row for row in range(rows)], [args.context] * rows, tables)
         sides = {"F.linear": plain, "W @ x^T": weight_major}
-        times: dict[str, list[float]] = {name: [] for name in sides}
         with torch.inference_mode():
             a, b = plain.logits(batch), weight_major.logits(batch)
             print(f"rows={rows}: max |logits A - B| {float((a - b).abs().max()):.3g} (bf16 sums "
                   "in another order)")
-            for i in range(args.pairs):
-                for name in (list(sides) if i % 2 else list(sides)[::-1]):
-                    start = time.perf_counter()
-                    sides[name].logits(batch)
-                    times[name].append(time.perf_counter() - start)
+            times = alternate(sides, lambda side, batch=batch: side.logits(batch), args.pairs)
         ratios = [b / a for a, b in zip(times["F.linear"], times["W @ x^T"])]
-        print(f"rows={rows} pad_to={args.pad_to} transpose_in_graph={args.transpose_in_graph}: F.linear {statistics.median(times['F.linear']) * 1e3:.1f} ms, "
+        print(f"rows={rows} pad_to={args.pad_to} transpose_in_graph={args.transpose_in_graph}: "
+              f"F.linear {statistics.median(times['F.linear']) * 1e3:.1f} ms, "
               f"W @ x^T {statistics.median(times['W @ x^T']) * 1e3:.1f} ms per step; B/A per pair: "
               f"median {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
 
