@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import attend_group, gather_blocks
+from minivllm.model import MLP, Attention
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
 
 logger = logging.getLogger("minivllm.compile")
@@ -156,6 +157,67 @@ def use_matvec_for_single_rows(model: nn.Module) -> int:
     for module in linears:
         module.__class__ = SingleRowLinear
     return len(linears)
+
+
+class MergedLinear(nn.Module):
+    """Linears that read the same input, as one matmul: their weights stacked along the output
+    dimension, the one output split back into the parts (views, no copy).
+
+    vLLM loads q/k/v this way (``QKVParallelLinear``) and gate/up (``MergedColumnParallelLinear``).
+    The stacked weight is a plain ``nn.Linear``, so ``use_matvec_for_single_rows`` still finds it."""
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        super().__init__()
+        biased = {p.bias is not None for p in parts}
+        if len(biased) != 1 or len({p.in_features for p in parts}) != 1:
+            raise ValueError("merged linears need one input size and a bias on all or none")
+        self.sizes = [p.out_features for p in parts]
+        weight = torch.cat([p.weight for p in parts])  # (sum of the parts' outputs, in)
+        self.linear = nn.Linear(weight.shape[1], weight.shape[0], bias=biased.pop(), device="meta")
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)
+        if self.linear.bias is not None:
+            self.linear.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)  # (T, out_i) for each part
+
+
+class MergedQKVAttention(Attention):
+    """``Attention`` whose q, k and v come from one matmul."""
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv_proj(x)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+
+
+class MergedMLP(MLP):
+    """SwiGLU whose gate and up come from one matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x)  # (T, intermediate) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+def merge_projections(model: nn.Module) -> int:
+    """Merge each layer's q/k/v and gate/up linears in place (the class swapped, the old
+    weights freed). Returns how many matmuls a forward pass no longer makes: 3 per layer,
+    0 for a model whose parts are not ``nn.Linear`` (tensor-parallel shards) or already merged."""
+    saved = 0
+    for module in list(model.modules()):
+        if type(module) is Attention:
+            names, merged_name, merged_cls = ("q_proj", "k_proj", "v_proj"), "qkv_proj", MergedQKVAttention
+        elif type(module) is MLP:
+            names, merged_name, merged_cls = ("gate_proj", "up_proj"), "gate_up_proj", MergedMLP
+        else:
+            continue
+        parts = [getattr(module, name) for name in names]
+        if not all(isinstance(p, nn.Linear) for p in parts):
+            continue
+        setattr(module, merged_name, MergedLinear(parts))
+        for name in names:
+            delattr(module, name)  # the separate weights go: merging costs no memory
+        module.__class__ = merged_cls
+        saved += len(names) - 1
+    return saved
 
 
 class CompiledDecoder:

@@ -266,6 +266,7 @@ class EngineConfig:
     attention_backend: str = "batched"  # "batched" (one call per layer, M6) or "loop" (M2)
     compile: bool | None = None  # compile the decode step (M7); None -> $MINIVLLM_COMPILE, on
     single_row_matvec: bool = True  # M7: a compiled CPU step of one bf16 row uses torch.mv
+    merge_projections: bool = True  # M7: q/k/v as one matmul, gate/up as one (as vLLM does)
     seed: int = 0  # default seed for sampling
     speculative_config: dict | str | None = None  # M8: {"method": "ngram", ...} or its JSON
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (M9)

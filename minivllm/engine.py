@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.compile import DecodeInputs, compile_enabled_by_default, try_compile
+from minivllm.compile import (DecodeInputs, compile_enabled_by_default, merge_projections,
+                              try_compile)
 from minivllm.config import (
     EngineConfig,
     ModelConfig,
@@ -175,6 +176,9 @@ class LLMEngine:
             config.tensor_parallel_size == 1) else start_tensor_parallel(
             path, config.tensor_parallel_size, self.dtype, self.device)  # Milestone 9
         self.num_kv_heads = getattr(self.model, "num_kv_heads", self.model_config.num_key_value_heads)
+        if config.merge_projections:  # Milestone 7: q/k/v as one matmul, gate/up as one
+            saved = merge_projections(self.model)  # 0 for tensor-parallel shards
+            logger.info("merged projections: %d fewer matmuls per forward pass", saved)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("loaded the weights: %.2f GiB in %.1f s%s", weight_bytes / 2**30,
                     time.perf_counter() - started,

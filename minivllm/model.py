@@ -135,14 +135,20 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q, k, v = self.project_qkv(x)  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+        q = q.view(t, self.n_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(t, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.n_heads * self.head_dim))  # (T, hidden)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> q, k, v: three matmuls over the same input. (Notebook 07's
+        engine merges them into one; see ``merge_projections`` in compile.py.)"""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class MLP(nn.Module):

@@ -223,6 +223,7 @@ class DraftModelProposer:
 
     def __init__(self, engine, config: SpeculativeConfig):
         from minivllm.config import ModelConfig, resolve_model_path
+        from minivllm.compile import merge_projections
         from minivllm.model import load_model
         from minivllm.tokenizer import Tokenizer
 
@@ -242,6 +243,8 @@ class DraftModelProposer:
                              f"{engine.max_model_len}: give a smaller max_model_len")
         self.engine = engine
         self.model = load_model(path, dtype=engine.dtype, device=engine.device)
+        if engine.config.merge_projections:  # as the target's (notebook 07)
+            merge_projections(self.model)
         block_size = engine.config.block_size
         self.pool = KVCachePool(mc.num_hidden_layers, engine.num_blocks, block_size,
                                 mc.num_key_value_heads, mc.head_dim, engine.dtype, engine.device)

@@ -206,3 +206,69 @@ def test_the_engine_passes_single_row_matvec_to_the_compiled_step(random_engine_
         LLM(str(random_engine_model), block_size=8, num_blocks=8, max_model_len=64,
             compile=True, single_row_matvec=option)
     assert seen == [True, False]
+
+
+def test_merge_projections_computes_the_same_function_with_the_same_weights(tiny_model):
+    """Guards: a merged layer that splits its output into the wrong parts (q/k/v or gate/up
+    swapped or misaligned), merging that keeps the separate weights too (twice the memory),
+    and merging an already merged model."""
+    from minivllm.compile import MergedMLP, MergedQKVAttention, merge_projections
+    from minivllm.model import causal_attention, load_model
+
+    model = load_model(tiny_model)
+    merged = copy.deepcopy(model)
+    layers = model.config.num_hidden_layers
+    assert merge_projections(merged) == 3 * layers
+    assert merge_projections(merged) == 0  # nothing left to merge
+    numel = lambda m: sum(p.numel() for p in m.parameters())
+    assert numel(merged) == numel(model)
+    for layer in merged.model.layers:
+        assert type(layer.self_attn) is MergedQKVAttention and type(layer.mlp) is MergedMLP
+        assert not any(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+        assert not any(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj"))
+    reference = model.model.layers[1]
+    stacked = merged.model.layers[1].self_attn.qkv_proj.linear
+    assert torch.equal(stacked.weight, torch.cat([reference.self_attn.q_proj.weight,
+                                                  reference.self_attn.k_proj.weight,
+                                                  reference.self_attn.v_proj.weight]))
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (9,))
+    attention = lambda layer, q, k, v: causal_attention(q, k, v)
+    with torch.inference_mode():
+        expected = model(ids, torch.arange(9), attention)
+        got = merged(ids, torch.arange(9), attention)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_merge_projections_leaves_tensor_parallel_shards_and_refuses_mixed_parts(tiny_model):
+    from minivllm.compile import MergedLinear, merge_projections
+    from minivllm.model import load_model
+    from minivllm.parallel import ColumnParallelLinear
+
+    model = load_model(tiny_model)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj = ColumnParallelLinear(attn.q_proj.in_features, attn.q_proj.out_features,
+                                       attn.q_proj.bias is not None)
+    saved = merge_projections(model)
+    assert saved == 3 * model.config.num_hidden_layers - 2  # layer 0's q/k/v stay separate
+    assert hasattr(attn, "q_proj") and not hasattr(attn, "qkv_proj")
+    with pytest.raises(ValueError, match="bias on all or none"):
+        MergedLinear([nn.Linear(8, 4), nn.Linear(8, 4, bias=False)])
+
+
+def test_the_engine_merges_projections_unless_asked_not_to(random_engine_model):
+    """Guards: EngineConfig.merge_projections (and so --no-merge-projections) not reaching
+    the engine's model, and the merged engine decoding other tokens than the separate one."""
+    from minivllm.compile import MergedQKVAttention
+
+    prompt = {"prompt_token_ids": [7, 70, 170, 270, 9]}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for option in (True, False):
+        llm = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+                  compile=False, merge_projections=option)
+        attn_cls = type(llm.engine.model.model.layers[0].self_attn)
+        assert (attn_cls is MergedQKVAttention) == option
+        tokens[option] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[True] == tokens[False] == hf_greedy(random_engine_model, prompt["prompt_token_ids"], 12)
