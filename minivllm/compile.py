@@ -201,7 +201,7 @@ def merge_projections(model: nn.Module) -> int:
     """Merge each layer's q/k/v and gate/up linears in place (the class swapped, the old
     weights freed). Returns how many matmuls a forward pass no longer makes: 3 per layer,
     0 for a model whose parts are not ``nn.Linear`` (tensor-parallel shards) or already merged."""
-    saved = 0
+    saved, merged_weights = 0, set()
     for module in list(model.modules()):
         if type(module) is Attention:
             names, merged_name, merged_cls = ("q_proj", "k_proj", "v_proj"), "qkv_proj", MergedQKVAttention
@@ -212,11 +212,20 @@ def merge_projections(model: nn.Module) -> int:
         parts = [getattr(module, name) for name in names]
         if not all(isinstance(p, nn.Linear) for p in parts):
             continue
-        setattr(module, merged_name, MergedLinear(parts))
+        merged = MergedLinear(parts)
+        setattr(module, merged_name, merged)
+        merged_weights.update(id(p) for p in merged.parameters())
         for name in names:
             delattr(module, name)  # the separate weights go: merging costs no memory
         module.__class__ = merged_cls
         saved += len(names) - 1
+    if saved:
+        # A bf16 checkpoint loaded in bf16 stays a memory map of the file: the pages that
+        # torch.cat read would stay resident (RSS) while any other weight keeps the file
+        # mapped. Copying the rest out unmaps it, so the model holds its weights once.
+        for p in model.parameters():
+            if id(p) not in merged_weights:
+                p.data = p.data.clone()
     return saved
 
 
