@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
                    help="a compiled CPU decode of one bf16 row runs its linears as torch.mv")
+    p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction,
+                   default=engine.merge_projections,
+                   help="q/k/v as one matmul and gate/up as one (notebook 07)")
     p.add_argument("--seed", type=int, default=engine.seed)
     p.add_argument("--speculative-config", default=engine.speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -102,7 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
-        "single_row_matvec": args.single_row_matvec,
+        "single_row_matvec": args.single_row_matvec, "merge_projections": args.merge_projections,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
