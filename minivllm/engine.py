@@ -22,8 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.compile import (DecodeInputs, compile_enabled_by_default, merge_projections,
-                              try_compile)
+from minivllm.compile import (
+    DecodeInputs,
+    compile_enabled_by_default,
+    merge_projections,
+    try_compile,
+)
 from minivllm.config import (
     EngineConfig,
     ModelConfig,

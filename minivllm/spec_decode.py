@@ -222,8 +222,8 @@ class DraftModelProposer:
     """
 
     def __init__(self, engine, config: SpeculativeConfig):
-        from minivllm.config import ModelConfig, resolve_model_path
         from minivllm.compile import merge_projections
+        from minivllm.config import ModelConfig, resolve_model_path
         from minivllm.model import load_model
         from minivllm.tokenizer import Tokenizer
 

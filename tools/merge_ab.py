@@ -56,7 +56,7 @@ def step_level(args: argparse.Namespace) -> None:
             a, b = separate.logits(batch), merged.logits(batch)
             agree = bool((a.argmax(-1) == b.argmax(-1)).all())
             times = alternate({"separate": separate, "merged": merged},
-                              lambda side: side.logits(batch), args.pairs)
+                              lambda side, batch=batch: side.logits(batch), args.pairs)
         print(summary(f"rows={rows} context={args.context}", times)
               + f"; max |logits A - B| {float((a - b).abs().max()):.3g}, same argmax: {agree}",
               flush=True)
