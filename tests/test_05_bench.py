@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -570,3 +572,86 @@ def test_the_environment_records_instruction_set_caps_and_ignores_its_own_result
     status = next(args for args in calls if args[0] == "status")
     assert ":(exclude)bench/results" in status and record["git_dirty"] is False
 
+
+
+# --- --interleave: every engine up at once, each level by every engine in turn ------------
+
+
+def _fake_engines(monkeypatch, fail_ramp_at: dict[str, int]) -> list[tuple]:
+    """Replace engine start-up by runners that log each call; ``fail_ramp_at[spec]`` is the
+    ramp concurrency at which that engine's level reports a failure."""
+    import contextlib
+
+    import minivllm.bench.harness as harness
+
+    calls: list[tuple] = []
+
+    @contextlib.contextmanager
+    def fake_started(spec, opts, root_pid=None):
+        def level(kind, c, n, salt, ramp, repeat=0, idle_pids=()):
+            calls.append((spec, kind, c, ramp, repeat, idle_pids))
+            failed = ramp and c >= fail_ramp_at.get(spec, 10**9)
+            return {"engine": spec, "workload": kind, "concurrency": c, "ramp": ramp,
+                    "repeat": repeat, "failures": int(failed)}
+        yield harness.Runner(spec, {"a": 101, "b": 102, "c": None}[spec], level)
+
+    monkeypatch.setattr(harness, "started_engine", fake_started)
+    return calls
+
+
+def test_interleave_runs_each_level_by_every_engine_in_alternating_order(monkeypatch):
+    calls = _fake_engines(monkeypatch, {"a": 16})
+    opts = BenchOptions(model="m", engines=["a", "b", "c"], workloads=["fixed", "mixed"],
+                        concurrency=[1, 8], interleave=True, isolate=False, repeat=2,
+                        ramp=True, ramp_step=8, ramp_cap=24)
+    records = run_benchmark(opts, None)
+    levels = [(s, k, c, rep) for s, k, c, ramp, rep, _ in calls if not ramp]
+    forward, backward = ["a", "b", "c"], ["c", "b", "a"]
+    expected = []
+    for turn, (kind, c, rep) in enumerate((k, c, r) for k in ("fixed", "mixed")
+                                          for c in (1, 8) for r in (0, 1)):
+        expected += [(s, kind, c, rep) for s in (forward if turn % 2 == 0 else backward)]
+    assert levels == expected  # A B C, C B A, ... and each level's repeats back to back
+    # while one engine runs, the others (with a process of their own) are idle, and say so
+    assert {idle for s, *_, idle in calls if s == "a"} == {(102,)}
+    assert {idle for s, *_, idle in calls if s == "c"} == {(101, 102)}
+    ramp = [(s, c) for s, _, c, r, *_ in calls if r]
+    assert [c for s, c in ramp if s == "a"] == [8, 16]  # stops at its own first failure
+    assert [c for s, c in ramp if s == "b"] == [8, 16, 24]  # the others go on to the cap
+    assert len(records) == len(calls)  # every level's record was emitted
+
+
+def test_monitor_counts_an_idle_engine_of_ours_as_other_load():
+    """An engine of this benchmark that should be waiting but uses the CPU is the machine's
+    other load (``idle_pids``), not the measured engine's."""
+    from minivllm.bench.env import Monitor
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\n"
+                             "while time.time() - t < 30: pass"])
+    try:
+        time.sleep(0.3)
+        with Monitor(None, idle_pids=(busy.pid,)) as idle:
+            time.sleep(1.0)
+        with Monitor(None) as ours:
+            time.sleep(1.0)
+    finally:
+        busy.kill()
+        busy.wait()
+    # the spinning child takes one core (of psutil.cpu_count()): counted only when idle
+    cores = os.cpu_count() or 1
+    assert idle.other_cpu_percent > 50 / cores
+    assert idle.other_cpu_percent > ours.other_cpu_percent + 25 / cores
+
+
+def test_interleaved_short_run_with_an_isolated_engine(tiny_model, tmp_path):
+    """A real run: the in-process engine in its own process answering level by level over a
+    pipe, beside the server; both engines' records for each level, the order alternating."""
+    opts = _options(tiny_model, ["minivllm", "minivllm-server"], isolate=True,
+                    interleave=True)
+    records = run_benchmark(opts, tmp_path / "r.jsonl")
+    assert [(r["engine"], r["workload"]) for r in records] == [
+        ("minivllm", "fixed"), ("minivllm-server", "fixed"),
+        ("minivllm-server", "mixed"), ("minivllm", "mixed")]
+    _check_records(records, "minivllm", ["fixed", "mixed"])
+    assert all(r["interleaved"] for r in records)
+    assert records[0]["peak_memory_kind"] == "rss" and records[0]["peak_memory_bytes"] > 0

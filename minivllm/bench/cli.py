@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1, help="run the engine list N times, "
                    "interleaved (A B A B ...); the table shows each level's median run and "
                    "the ratios pair runs of the same repeat")
+    p.add_argument("--interleave", action="store_true", help="start every engine at once "
+                   "and run each level by every engine in turn (A B C, then C B A), so that "
+                   "engines compared on a level ran minutes apart, not a whole run apart; "
+                   "needs the memory of all the engines at once")
     p.add_argument("--baseline", help="engine label the ratios divide by (default "
                    "transformers), e.g. 'minivllm[compile=False]'")
     p.add_argument("--roofline", action="store_true", help="measure this machine's matmul "
@@ -112,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                         a.output_len, a.range_ratio, a.seed, a.dtype, a.device, options,
                         a.base_url, a.label, a.ramp, a.ramp_step, a.ramp_cap,
                         not a.no_isolate, a.request_timeout, not a.no_warmup, a.repeat,
-                        a.baseline, a.roofline, parse_sampling_options(a.sampling_option))
+                        a.interleave, a.baseline, a.roofline,
+                        parse_sampling_options(a.sampling_option))
     if opts.sampling and any(parse_engine_spec(e)[0] != "minivllm" for e in engines):
         p.error("--sampling-option applies to the in-process minivllm engine only")
     return opts, a.out or default_results_path(a.device)

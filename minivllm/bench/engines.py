@@ -81,6 +81,7 @@ class BenchOptions:
     request_timeout: float = 3600.0
     warmup: bool = True
     repeat: int = 1  # run the whole engine list this many times, interleaved
+    interleave: bool = False  # all engines up at once, each level by every engine in turn
     baseline: str | None = None  # engine label the table divides by (default transformers)
     roofline: bool = False  # measure the matmul roofline before and after every level
     sampling: dict = dataclasses.field(default_factory=dict)  # extra SamplingParams (minivllm)

@@ -55,13 +55,17 @@ class Monitor:
     (``memory_pid``), or the GPU memory in use on the device when
     ``memory_kind="cuda_device_used"`` (for servers in other processes). At the end,
     ``other_cpu_percent`` is the machine's busy CPU time minus that of this benchmark's
-    process tree (``root_pid`` and its descendants), as a percentage of all cores.
+    process tree (``root_pid`` and its descendants), as a percentage of all cores. Engines
+    of the same benchmark that wait their turn (``idle_pids``, ``--interleave``) are not
+    excluded: if they use the CPU while another engine runs, that is the others' load.
     """
 
     def __init__(self, memory_pid: int | None, root_pid: int | None = None,
-                 memory_kind: str | None = "rss", interval: float = 0.1) -> None:
+                 memory_kind: str | None = "rss", interval: float = 0.1,
+                 idle_pids: tuple[int, ...] = ()) -> None:
         self.memory_pid, self.memory_kind, self.interval = memory_pid, memory_kind, interval
         self.root_pid = root_pid or os.getpid()
+        self.idle_pids = idle_pids  # engines of ours that wait meanwhile: their CPU is others'
         self.peak_memory_bytes: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_loop, daemon=True)
@@ -77,6 +81,11 @@ class Monitor:
                 return psutil.Process(self.memory_pid).memory_info().rss
         return None
 
+    def _our_cpu_seconds(self) -> float:
+        """CPU time of this benchmark's process tree, less the engines waiting their turn."""
+        idle = {p.pid for pid in self.idle_pids for p in _tree(pid)}
+        return _cpu_seconds([p for p in _tree(self.root_pid) if p.pid not in idle])
+
     def _sample(self) -> None:
         value = self._memory()
         if value is not None:
@@ -89,7 +98,7 @@ class Monitor:
     def __enter__(self) -> Monitor:  # noqa: PYI034 (typing.Self needs 3.11)
         self.loadavg_start = os.getloadavg()
         self._t0, self._sys0 = time.monotonic(), psutil.cpu_times()
-        self._ours0 = _cpu_seconds(_tree(self.root_pid))
+        self._ours0 = self._our_cpu_seconds()
         self._sample()
         self._thread.start()
         return self
@@ -104,7 +113,7 @@ class Monitor:
             return sum(getattr(t, k, 0.0) for k in
                        ("user", "nice", "system", "irq", "softirq", "steal"))
 
-        others = busy(sys1) - busy(self._sys0) - (_cpu_seconds(_tree(self.root_pid)) - self._ours0)
+        others = busy(sys1) - busy(self._sys0) - (self._our_cpu_seconds() - self._ours0)
         cores = psutil.cpu_count() or 1
         self.other_cpu_percent = max(0.0, 100.0 * others / (wall * cores)) if wall > 0 else 0.0
         self.loadavg_end = os.getloadavg()
