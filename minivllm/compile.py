@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import attend_group, gather_blocks
+from minivllm.config import cpu_flags
 from minivllm.model import MLP, Attention
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
 
@@ -136,26 +137,61 @@ def _matvec_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(1, weight.shape[0])  # what the compiler needs: shape, dtype, device
 
 
+MATVEC_KERNELS = ("mv", "inductor")  # EngineConfig.matvec_kernel: these, or "auto"
+
+
+def choose_matvec_kernel(requested: str = "auto",
+                         flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """The kernel for one bf16 row on this CPU, and why: ``"mv"`` (torch.mv, kept whole by
+    the ``matvec`` custom op) or ``"inductor"`` (torch.mv left to inductor, which writes its
+    own loop for it). Measured on the 0.5B model's lm_head: an AMX Xeon reads the weight at
+    ~20 GiB/s through torch.mv and ~11 through inductor's loop; a Zen 5 (avx512_bf16, no
+    AMX) at ~12 through torch.mv and ~30 through inductor's loop. So AMX decides."""
+    if requested != "auto":
+        if requested not in MATVEC_KERNELS:
+            raise ValueError(f"matvec_kernel must be 'auto' or one of {MATVEC_KERNELS}, "
+                             f"got {requested!r}")
+        return requested, "as configured (matvec_kernel)"
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return "mv", "this CPU has AMX (amx_bf16): torch.mv streams a bf16 weight fastest there"
+    return "inductor", ("this CPU has no AMX: inductor's own loop streams a bf16 weight "
+                        "fastest there")
+
+
 class SingleRowLinear(nn.Linear):
-    """``nn.Linear`` whose one-row bf16 CPU inputs go through ``matvec`` (torch.mv)."""
+    """``nn.Linear`` whose one-row bf16 CPU inputs take a matrix-vector kernel: ``matvec``
+    (torch.mv, whole) or, with ``kernel = "inductor"``, torch.mv in the graph for inductor to
+    lower to its own loop (eagerly, that kernel is ``F.linear``: eager torch.mv is the slower
+    of the two on the CPUs where inductor's loop wins)."""
+
+    kernel = "mv"  # set per module by use_matvec_for_single_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and not x.is_cuda:
-            out = matvec(x, self.weight)  # (1, out_features)
+            if self.kernel == "mv":
+                out = matvec(x, self.weight)  # (1, out_features)
+            elif torch.compiler.is_compiling():
+                out = torch.mv(self.weight, x[0]).unsqueeze(0)  # (1, out): inductor's loop
+            else:
+                return F.linear(x, self.weight, self.bias)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
-def use_matvec_for_single_rows(model: nn.Module) -> int:
-    """Turn every ``nn.Linear`` of a bf16 CPU model into a ``SingleRowLinear`` in place
-    (the class only: same weights, same state dict). Returns how many were turned; 0 for
-    float32 or CUDA models, which keep ``F.linear``."""
+def use_matvec_for_single_rows(model: nn.Module, kernel: str = "mv") -> int:
+    """Turn every ``nn.Linear`` of a bf16 CPU model into a ``SingleRowLinear`` taking
+    ``kernel`` for one row, in place (the class only: same weights, same state dict). Returns
+    how many were turned; 0 for float32 or CUDA models, which keep ``F.linear``."""
+    if kernel not in MATVEC_KERNELS:
+        raise ValueError(f"kernel must be one of {MATVEC_KERNELS}, got {kernel!r}")
     weight = next(model.parameters())
     if weight.dtype != torch.bfloat16 or weight.is_cuda:
         return 0
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, SingleRowLinear)]
     for module in linears:
         module.__class__ = SingleRowLinear
+        module.kernel = kernel
     return len(linears)
 
 
@@ -233,16 +269,19 @@ class CompiledDecoder:
     """Owns the compiled decode functions and pads batches into their buckets."""
 
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
-                 scratch_block: int, device: torch.device, single_row_matvec: bool = True):
+                 scratch_block: int, device: torch.device, single_row_matvec: bool = True,
+                 matvec_kernel: str = "auto"):
         self.model, self.kv, self.block_size = model, kv, block_size
         self.scratch_block = scratch_block
         self.device = device
         self.on_cuda = device.type == "cuda"
-        # One bf16 row on a CPU: the model's linears take torch.mv (see SingleRowLinear)
-        self.matvec_linears = use_matvec_for_single_rows(model) if single_row_matvec else 0
+        # One bf16 row on a CPU: the model's linears take a matvec kernel (SingleRowLinear)
+        kernel, why = choose_matvec_kernel(matvec_kernel)
+        self.matvec_linears = use_matvec_for_single_rows(model, kernel) if single_row_matvec else 0
+        self.matvec_kernel = kernel if self.matvec_linears else None
         if self.matvec_linears:
-            logger.info("one-row bf16 steps: %d linears take torch.mv (single_row_matvec)",
-                        self.matvec_linears)
+            logger.info("one-row bf16 steps: %d linears take %s (%s)", self.matvec_linears,
+                        "torch.mv" if kernel == "mv" else "inductor's own matvec loop", why)
         # A CPU batch of 1 is not padded to 2 rows: a 2-row matmul leaves the matrix-vector
         # path (the 0.5B lm_head: 82 ms for 2 rows vs 34 ms for 1), so batch 1 gets its own
         # specialised graph, compiled in the warm-up. CUDA graphs keep buckets of >= 2.
@@ -330,11 +369,12 @@ def _inductor_cache_dir() -> str:
 
 
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,
-                device: torch.device, vocab_size: int,
-                single_row_matvec: bool = True) -> CompiledDecoder | None:
+                device: torch.device, vocab_size: int, single_row_matvec: bool = True,
+                matvec_kernel: str = "auto") -> CompiledDecoder | None:
     """A warmed-up CompiledDecoder, or None (with one clear warning) where compiling fails."""
     try:
-        decoder = CompiledDecoder(model, kv, block_size, scratch_block, device, single_row_matvec)
+        decoder = CompiledDecoder(model, kv, block_size, scratch_block, device, single_row_matvec,
+                                  matvec_kernel)
         decoder.warmup(vocab_size)
         return decoder
     except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)

@@ -265,7 +265,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share KV blocks between identical prompt prefixes
     attention_backend: str = "batched"  # "batched" (one call per layer, M6) or "loop" (M2)
     compile: bool | None = None  # compile the decode step (M7); None -> $MINIVLLM_COMPILE, on
-    single_row_matvec: bool = True  # M7: a compiled CPU step of one bf16 row uses torch.mv
+    single_row_matvec: bool = True  # M7: a compiled CPU step of one bf16 row: a matvec kernel
+    matvec_kernel: str = "auto"  # M7: which one: "auto" (by the CPU), "mv" or "inductor"
     merge_projections: bool = True  # M7: q/k/v as one matmul, gate/up as one (as vLLM does)
     seed: int = 0  # default seed for sampling
     speculative_config: dict | str | None = None  # M8: {"method": "ngram", ...} or its JSON
@@ -290,6 +291,10 @@ class EngineConfig:
         if self.attention_backend not in ("loop", "batched"):
             raise ValueError(
                 f"attention_backend must be 'loop' or 'batched', got {self.attention_backend!r}"
+            )
+        if self.matvec_kernel not in ("auto", "mv", "inductor"):
+            raise ValueError(
+                f"matvec_kernel must be 'auto', 'mv' or 'inductor', got {self.matvec_kernel!r}"
             )
         if self.speculative_config is not None:  # Milestone 8: refuse a bad one at start-up
             from minivllm.spec_decode import SpeculativeConfig

@@ -219,7 +219,8 @@ class LLMEngine:
         if use_compile:
             self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
                                        self.num_blocks, self.device, mc.vocab_size,
-                                       single_row_matvec=config.single_row_matvec)
+                                       single_row_matvec=config.single_row_matvec,
+                                       matvec_kernel=config.matvec_kernel)
         self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
         self.stats = EngineStats()
         self.spec = None  # Milestone 8: the speculative step, when configured

@@ -582,7 +582,7 @@ def _fake_engines(monkeypatch, fail_ramp_at: dict[str, int]) -> list[tuple]:
     ramp concurrency at which that engine's level reports a failure."""
     import contextlib
 
-    import minivllm.bench.harness as harness
+    from minivllm.bench import harness
 
     calls: list[tuple] = []
 
@@ -626,8 +626,8 @@ def test_monitor_counts_an_idle_engine_of_ours_as_other_load():
     other load (``idle_pids``), not the measured engine's."""
     from minivllm.bench.env import Monitor
 
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\n"
-                             "while time.time() - t < 30: pass"])
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
     try:
         time.sleep(0.3)
         with Monitor(None, idle_pids=(busy.pid,)) as idle:

@@ -62,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
-                   help="a compiled CPU decode of one bf16 row runs its linears as torch.mv")
+                   help="a compiled CPU decode of one bf16 row runs its linears as a "
+                        "matrix-vector kernel")
+    p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
+                   choices=["auto", "mv", "inductor"],
+                   help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
+                        "(torch.mv with AMX, inductor's loop without; notebook 07)")
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction,
                    default=engine.merge_projections,
                    help="q/k/v as one matmul and gate/up as one (notebook 07)")
@@ -105,7 +110,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
-        "single_row_matvec": args.single_row_matvec, "merge_projections": args.merge_projections,
+        "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
+        "merge_projections": args.merge_projections,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
