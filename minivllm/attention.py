@@ -79,6 +79,18 @@ def attend_group(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.transpose(1, 2)  # (B, Q, H, D)
 
 
+def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """``attend_group`` for one query per sequence: q (B, 1, H, D), keys/values
+    (B, n_kv, K, D), mask (B, 1, 1, K) -> (B, 1, H, D), each kv head's query heads as its
+    queries (one SDPA item per kv head, not one per query head)."""
+    batch, _, num_heads, head_dim = q.shape
+    n_kv = keys.shape[1]
+    grouped = q.reshape(batch, n_kv, num_heads // n_kv, head_dim)  # head h -> (h // n_rep, h % n_rep)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)  # (B, n_kv, n_rep, D)
+    return out.reshape(batch, 1, num_heads, head_dim)
+
+
 class BatchedAttention:
     """One SDPA call per layer for all decodes and one for all prefill chunks of a step."""
 
@@ -100,7 +112,8 @@ class BatchedAttention:
         for g in self.groups:
             keys = gather_blocks(self.pool.keys(layer_idx), g.block_tables, bs)
             values = gather_blocks(self.pool.values(layer_idx), g.block_tables, bs)
-            o = attend_group(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
+            attend = attend_decode if g.mask.shape[2] == 1 else attend_group  # Q == 1: decodes
+            o = attend(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
             out[g.rows[g.valid]] = o[g.valid]
         return out
 

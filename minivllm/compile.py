@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import attend_group, gather_blocks
+from minivllm.attention import attend_decode, gather_blocks
 from minivllm.config import cpu_flags
 from minivllm.model import MLP, Attention
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
@@ -75,7 +75,7 @@ class DecodeAttention:
         keys_cache, values_cache = self.kv[0, layer_idx], self.kv[1, layer_idx]
         keys = gather_blocks(keys_cache, self.block_tables, self.block_size)  # (B, n_kv, K, D)
         values = gather_blocks(values_cache, self.block_tables, self.block_size)
-        return attend_group(q.unsqueeze(1), keys, values, self.mask).squeeze(1)  # (B, H, D)
+        return attend_decode(q.unsqueeze(1), keys, values, self.mask).squeeze(1)  # (B, H, D)
 
 
 def decode_logits(model: torch.nn.Module, kv: torch.Tensor, input_ids: torch.Tensor,

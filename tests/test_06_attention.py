@@ -95,3 +95,38 @@ def test_batched_engine_matches_transformers(random_engine_model, block_size):
         assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 14), f"prompt {i}"
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("n_heads,n_kv", [(14, 2), (8, 4), (4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_decode_equals_attend_group(n_heads, n_kv, dtype):
+    """Guards: a decode group whose query heads are regrouped in the wrong order (tiled
+    instead of each kv head's neighbours), or whose mask stops broadcasting over them."""
+    from minivllm.attention import attend_decode, attend_group
+
+    torch.manual_seed(n_heads + n_kv)
+    rows, keys_len, dim = 5, 48, 16
+    lengths = torch.tensor([1, 7, 48, 30, 17])  # ragged contexts, one of a single key
+    mask = (torch.arange(keys_len) < lengths[:, None]).view(rows, 1, 1, keys_len)
+    q = torch.randn(rows, 1, n_heads, dim, dtype=dtype)
+    keys, values = (torch.randn(rows, n_kv, keys_len, dim, dtype=dtype) for _ in range(2))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(attend_decode(q, keys, values, mask).float(),
+                          attend_group(q, keys, values, mask).float(), atol=tol, rtol=tol)
+
+
+def test_batched_attention_sends_decode_groups_to_attend_decode(monkeypatch):
+    """Guards: the decode group of a mixed step left on the one-item-per-query-head path (a
+    tenth of the speed on a CPU), or a prefill chunk sent to the one-query path."""
+    from minivllm import attention
+
+    calls = []
+    real = attention.attend_decode
+    monkeypatch.setattr(attention, "attend_decode",
+                        lambda q, *rest: calls.append(q.shape[1]) or real(q, *rest))
+    num_computed, num_new, tables, num_blocks = _mixed_step(0, 4)
+    pool = KVCachePool(1, num_blocks, 4, 2, 16)
+    md = AttentionMetadata.build(tables, num_computed, num_new, 4)
+    q, k, v = torch.randn(sum(num_new), 8, 16), torch.randn(sum(num_new), 2, 16), torch.randn(sum(num_new), 2, 16)
+    BatchedAttention(pool, md)(0, q, k, v)
+    assert calls == [1]  # the one decode group (4 rows); the prefill group took attend_group

@@ -8,6 +8,8 @@ matmuls, how much attention.
 
     python tools/profile_decode_step.py --model checkpoints/qwen2.5-0.5b-random \\
         --attention-backend batched --batch 32
+    python tools/profile_decode_step.py --model checkpoints/qwen2.5-0.5b-random \\
+        --dtype auto --batch 32 --compile --decode-attention group   # before notebook 06's regrouping
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--rows", type=int, default=18, help="operators to list")
+    ap.add_argument("--decode-attention", default="decode", choices=["decode", "group"],
+                    help="decode groups through attend_decode (the default: each kv head's "
+                         "query heads as its queries) or attend_group (one SDPA item per "
+                         "query head), to see what notebook 06's regrouping saves")
     args = ap.parse_args()
+    if args.decode_attention == "group":  # before the engine exists: both paths read the name
+        import minivllm.attention
+        import minivllm.compile
+
+        minivllm.attention.attend_decode = minivllm.compile.attend_decode = minivllm.attention.attend_group
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
                                     attention_backend=args.attention_backend,
                                     max_num_seqs=max(64, args.batch)))
