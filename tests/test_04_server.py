@@ -7,6 +7,7 @@ the offline ``LLM`` run in this process with the same engine options.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -349,6 +350,43 @@ def test_engine_is_built_in_the_thread_that_steps_it(tiny_model):
     broken = AsyncEngine(lambda: LLMEngine(EngineConfig(model="/nonexistent/checkpoint")))
     with pytest.raises(FileNotFoundError):
         broken.start()
+
+
+def test_an_idle_engine_takes_a_burst_of_requests_in_one_step(tiny_model):
+    """Guards: an idle engine stepping on the first request of a burst (a closed-loop
+    client's next wave), so the rest wait a whole extra prefill step for their first token.
+    The gap is made generous here, so the test does not depend on the machine's speed."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+    from minivllm.server.engine_thread import AsyncEngine
+
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(
+        model=str(tiny_model), num_blocks=64, max_model_len=128, compile=False)),
+        burst_gap_s=0.5, burst_window_s=5.0)
+    engine.start()
+    waiting_at_step: list[int] = []
+    real_step = engine.engine.step
+
+    def step():
+        waiting_at_step.append(len(engine.engine.scheduler.waiting))
+        return real_step()
+
+    engine.engine.step = step  # the engine thread's next steps go through here
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def burst() -> None:
+        submissions = await asyncio.gather(*(
+            engine.submit([(f"burst-{i}", [5 + i, 6, 7, 8], params)]) for i in range(6)))
+        for submission in submissions:
+            async for _ in submission.updates():
+                pass
+
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.shutdown()
+    assert waiting_at_step[0] == 6  # all six prefilled in the first step
+    assert len(waiting_at_step) == 3  # and decoded together: 3 tokens, 3 steps
 
 
 def test_tokenize_detokenize_and_version(server):
