@@ -137,9 +137,15 @@ def model_name(record: dict) -> str:
     return "bundled tiny model" if path.name == Path(TINY_MODEL).name else path.name
 
 
+CPU_VENDORS = ("AMD", "Intel")  # a CPU's figures are its vendor's: Zen and Xeon rank kernels apart
+
+
 def group_of(record: dict) -> Group:
     env = record["env"]
     device = env["device"]
+    if device == "cpu":  # an AMX Xeon and a Zen 5 are not one machine: one figure each
+        name = env.get("device_name") or ""
+        device += next(("-" + v.lower() for v in CPU_VENDORS if v in name), "")
     caps = env.get("isa_caps") or {}
     if caps:  # a bf16 machine run with its instruction set capped (AVX2) is a figure of its own
         device += "-" + (caps.get("ONEDNN_MAX_CPU_ISA") or next(iter(caps.values()))).lower()

@@ -63,6 +63,20 @@ def test_a_run_with_its_instruction_set_capped_is_a_figure_of_its_own():
     assert plotting.group_slug(plotting.group_of(capped[0])) == "qwen-a-cpu-avx2-float32"
 
 
+def test_cpus_of_two_vendors_are_figures_of_their_own():
+    """Guards: a Zen 5 run and an AMX Xeon run (which rank the one-row kernels in opposite
+    orders) on one axis, so the figure's pick of a run hides one machine's results."""
+    zen, xeon = headline(label="zen"), headline(label="xeon")
+    for r in zen:
+        r["env"]["device_name"] = "AMD EPYC (2 CPUs)"
+    for r in xeon:
+        r["env"]["device_name"] = "Intel(R) Xeon(R) Processor (2 CPUs)"
+    got = plotting.groups(zen + xeon + headline())
+    assert set(got) == {("qwen-a", "cpu-amd", "float32"), ("qwen-a", "cpu-intel", "float32"),
+                        ("qwen-a", "cpu", "float32")}
+    assert {r["label"] for r in got[("qwen-a", "cpu-amd", "float32")]} == {"zen"}
+
+
 def test_a_level_with_repeats_shows_its_median_run_and_every_run_behind_it():
     records = [rec("x", "minivllm", "fixed", c, t, repeat=i)
                for i, t in enumerate((10.0, 30.0, 20.0)) for c in (1, 8)]
