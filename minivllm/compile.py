@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import attend_decode, gather_blocks
-from minivllm.config import cpu_flags
+from minivllm.config import MATVEC_KERNELS, cpu_flags
 from minivllm.model import MLP, Attention
 from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
 
@@ -135,9 +135,6 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @matvec.register_fake
 def _matvec_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(1, weight.shape[0])  # what the compiler needs: shape, dtype, device
-
-
-MATVEC_KERNELS = ("mv", "inductor")  # EngineConfig.matvec_kernel: these, or "auto"
 
 
 def choose_matvec_kernel(requested: str = "auto",

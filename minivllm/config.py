@@ -181,6 +181,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in hardware
+MATVEC_KERNELS = ("mv", "inductor")  # EngineConfig.matvec_kernel: one of these, or "auto" (M7)
 # Environment variables that keep a process below its CPU's instruction set, read once when
 # each library loads: ATen's own kernels and inductor's generated C++ (ATEN_CPU_CAPABILITY),
 # oneDNN, which runs the bf16 matmuls (ONEDNN_MAX_CPU_ISA), and MKL, which runs the float32
@@ -292,10 +293,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'loop' or 'batched', got {self.attention_backend!r}"
             )
-        if self.matvec_kernel not in ("auto", "mv", "inductor"):
-            raise ValueError(
-                f"matvec_kernel must be 'auto', 'mv' or 'inductor', got {self.matvec_kernel!r}"
-            )
+        if self.matvec_kernel not in ("auto", *MATVEC_KERNELS):
+            raise ValueError(f"matvec_kernel must be 'auto' or one of {MATVEC_KERNELS}, "
+                             f"got {self.matvec_kernel!r}")
         if self.speculative_config is not None:  # Milestone 8: refuse a bad one at start-up
             from minivllm.spec_decode import SpeculativeConfig
 

@@ -241,7 +241,7 @@ def _level_worker(spec: str, opts: BenchOptions, root_pid: int, conn) -> None:
     it receives None."""
     try:
         with started_engine(spec, opts, root_pid) as runner:
-            conn.send("ready" if runner is not None else {"worker_error": "skipped"})
+            conn.send("ready" if runner is not None else "skipped")  # open_engine said why
             while runner is not None and (args := conn.recv()) is not None:
                 try:
                     conn.send(runner.level(*args))

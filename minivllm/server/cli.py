@@ -17,7 +17,7 @@ import signal
 
 import uvicorn
 
-from minivllm.config import EngineConfig
+from minivllm.config import MATVEC_KERNELS, EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.server.app import build_app
 from minivllm.server.engine_thread import AsyncEngine
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a compiled CPU decode of one bf16 row runs its linears as a "
                         "matrix-vector kernel")
     p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
-                   choices=["auto", "mv", "inductor"],
+                   choices=["auto", *MATVEC_KERNELS],
                    help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
                         "(torch.mv with AMX, inductor's loop without; notebook 07)")
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction,
