@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any group exists: see TPGroup.leave
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
@@ -56,11 +57,12 @@ class TPGroup:
 
     ``all_reduce`` sums a tensor over the ranks in place; ``all_gather`` concatenates every
     rank's tensor along the last axis, in rank order. The notebook's checks swap in a group
-    of threads with the same two methods.
+    of threads with the same two methods. ``group`` carries the model's collectives,
+    ``control`` the step's inputs from rank 0 (both ``None`` outside a process group).
     """
 
-    def __init__(self, rank: int, world_size: int, group=None) -> None:
-        self.rank, self.world_size, self.group = rank, world_size, group
+    def __init__(self, rank: int, world_size: int, group=None, control=None) -> None:
+        self.rank, self.world_size, self.group, self.control = rank, world_size, group, control
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=self.group)
@@ -70,6 +72,21 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def leave(self) -> None:
+        """Destroy the process groups and let go of them, so that their threads stop now.
+
+        ``destroy_process_group`` only unregisters a group: its gloo threads run until the
+        last Python reference to it is gone. Dropping ours here joins them while the
+        interpreter is whole; left to the interpreter's teardown at exit, a gloo thread
+        still running can abort the process ("terminate called without an active
+        exception") after its work is done. (That is also why this module imports
+        ``torch.distributed.nn`` before any group exists: its functions' ``group=WORLD``
+        defaults would otherwise hold the default group for the life of the process.)
+        """
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.group = self.control = None
 
 
 def allowed_sizes(config: ModelConfig) -> list[int]:
@@ -339,16 +356,16 @@ class TensorParallelModel:
     shard's. A dead worker turns the next call into a ``TensorParallelError``.
     """
 
-    def __init__(self, model: QwenForCausalLM, tp: TPGroup, control, workers: list,
+    def __init__(self, model: QwenForCausalLM, tp: TPGroup, workers: list,
                  device: torch.device, weight_bytes_per_rank: list[int],
                  threads_before: int | None = None) -> None:
-        self.model, self.tp, self.control, self.device = model, tp, control, device
+        self.model, self.tp, self.device = model, tp, device
         self.workers = workers  # spawned processes (empty under torchrun)
         self.weight_bytes_per_rank = weight_bytes_per_rank
         self.num_kv_heads = model.model.layers[0].self_attn.n_kv_heads  # per rank
         self._lock = threading.Lock()
         self._failed: str | None = None
-        self._closer = weakref.finalize(self, _shutdown, tp, control, workers, self._lock,
+        self._closer = weakref.finalize(self, _shutdown, tp, workers, self._lock,
                                        threads_before or torch.get_num_threads())
 
     def __getattr__(self, name: str):
@@ -361,13 +378,13 @@ class TensorParallelModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         header, payload = _encode_forward(input_ids, positions, attn)
         with self._collective():
-            _broadcast_header(header, self.control)
-            dist.broadcast(payload, 0, group=self.control)
+            _broadcast_header(header, self.tp.control)
+            dist.broadcast(payload, 0, group=self.tp.control)
             return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._collective():
-            _broadcast_header([LOGITS, 0, 0, 0, 0, 0, 0, hidden.shape[0]], self.control)
+            _broadcast_header([LOGITS, 0, 0, 0, 0, 0, 0, hidden.shape[0]], self.tp.control)
             dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
             return self.model.compute_logits(hidden)
 
@@ -419,12 +436,12 @@ def _broadcast_header(values: list[int], control) -> torch.Tensor:
     return header
 
 
-def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock, threads: int) -> None:
-    """Tell the workers to stop, wait a little, then make sure they are gone."""
+def _shutdown(tp: TPGroup, workers: list, lock: threading.Lock, threads: int) -> None:
+    """Tell the workers to stop, wait a little, make sure they are gone, leave the group."""
     alive = all(p.is_alive() for p in workers)
-    if alive and lock.acquire(timeout=5):
+    if alive and tp.control is not None and lock.acquire(timeout=5):
         try:
-            _broadcast_header([STOP, 0, 0, 0, 0, 0, 0, 0], control)
+            _broadcast_header([STOP, 0, 0, 0, 0, 0, 0, 0], tp.control)
         except Exception as err:  # noqa: BLE001 (best effort: they are killed below anyway)
             logger.debug("tensor parallel: STOP not delivered (%s)", err)
         finally:
@@ -434,8 +451,7 @@ def _shutdown(tp: TPGroup, control, workers: list, lock: threading.Lock, threads
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    tp.leave()
     torch.set_num_threads(threads)  # what this process had before it became rank 0
 
 
@@ -506,10 +522,11 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
             workers.append(p)
     try:
         group, control = _init_group(0, world_size, device, store)
-        tp = TPGroup(0, world_size, group)
+        tp = TPGroup(0, world_size, group, control)
+        del group, control  # tp holds them, and tp.leave() lets them go
         model = load_sharded_model(model_path, tp, dtype, device)
         sizes: list = [None] * world_size
-        dist.all_gather_object(sizes, weight_bytes(model), group=control)
+        dist.all_gather_object(sizes, weight_bytes(model), group=tp.control)
     except BaseException:
         for p in workers:
             p.kill()
@@ -518,7 +535,7 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
     logger.info("tensor parallel: %d ranks (%s), weights per rank %s MiB", world_size,
                 "nccl" if device.type == "cuda" else f"gloo, {torch.get_num_threads()} thread(s) each",
                 ", ".join(f"{b / 2**20:.1f}" for b in sizes))
-    return TensorParallelModel(model, tp, control, workers, device, sizes, threads_before)
+    return TensorParallelModel(model, tp, workers, device, sizes, threads_before)
 
 
 def _worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: str,
@@ -533,34 +550,40 @@ def _worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: 
 def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: str,
                store, threads: int | None = None) -> None:
     """A worker rank: load its shard, then run whatever rank 0 broadcasts until STOP."""
-    from minivllm.kv_cache import AttentionMetadata, KVCachePool
-
     device_ = torch.device(device)
     if device_.type == "cpu":
         torch.set_num_threads(threads or _threads())
-    group, control = _init_group(rank, world_size, device_, store)
-    tp = TPGroup(rank, world_size, group)
-    model = load_sharded_model(model_path, tp, getattr(torch, dtype), device_)
-    dist.all_gather_object([None] * world_size, weight_bytes(model), group=control)
+    tp = TPGroup(rank, world_size, *_init_group(rank, world_size, device_, store))
+    try:
+        _serve(tp, load_sharded_model(model_path, tp, getattr(torch, dtype), device_), device_)
+    finally:
+        tp.leave()
+
+
+def _serve(tp: TPGroup, model: QwenForCausalLM, device_: torch.device) -> None:
+    """A worker's loop: rebuild each step rank 0 broadcasts and run it on this shard."""
+    from minivllm.kv_cache import AttentionMetadata, KVCachePool
+
+    dist.all_gather_object([None] * tp.world_size, weight_bytes(model), group=tp.control)
     c, n_kv = model.config, model.model.layers[0].self_attn.n_kv_heads
-    pool, hidden = None, None
+    pool = None
     header = torch.zeros(HEADER, dtype=torch.long)
     while True:
         try:
-            dist.broadcast(header, 0, group=control)
+            dist.broadcast(header, 0, group=tp.control)
         except RuntimeError as err:  # rank 0 is gone (killed): nothing is left to serve
-            logger.warning("tensor parallel rank %d: rank 0 went away (%s); exiting", rank, err)
+            logger.warning("tensor parallel rank %d: rank 0 went away (%s); exiting", tp.rank, err)
             return
         command, t, b, n_flat, backend, num_blocks, block_size, rows = header.tolist()
         if command == STOP:
-            break
+            return
         if command == LOGITS:
             h = torch.empty(rows, c.hidden_size, dtype=model.lm_head.weight.dtype, device=device_)
-            dist.broadcast(h, 0, group=group)
+            dist.broadcast(h, 0, group=tp.group)
             model.compute_logits(h)  # joins the all-gather; rank 0 samples
             continue
         payload = torch.empty(2 * t + 3 * b + n_flat, dtype=torch.long)
-        dist.broadcast(payload, 0, group=control)
+        dist.broadcast(payload, 0, group=tp.control)
         input_ids, positions = payload[:t].to(device_), payload[t:2 * t].to(device_)
         if backend == NO_CACHE:
             attn = lambda layer, q, k, v: causal_attention(q, k, v)
@@ -576,6 +599,4 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
             md = AttentionMetadata.build(tables, num_computed.tolist(), num_new.tolist(),
                                          block_size, device_, pad_block=rows)  # FORWARD: pad block
             attn = _backends()[backend](pool, md)
-        hidden = model(input_ids, positions, attn)
-    del hidden
-    dist.destroy_process_group()
+        model(input_ids, positions, attn)  # joins the all-reduces; rank 0 keeps the result

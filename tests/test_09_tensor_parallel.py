@@ -208,7 +208,8 @@ def test_process_exit_leaves_no_worker():
 
 def test_torchrun_launch(tmp_path):
     """The ranks of a torchrun launch (RANK / WORLD_SIZE / MASTER_*): no spawn; rank 1 serves
-    inside LLM(...) and exits with rank 0; rank 0's tokens equal TP=1's."""
+    inside LLM(...) and exits with rank 0; rank 0's tokens equal TP=1's; close() stops this
+    process's gloo threads (/proc/self/task: Linux), so none is left for the exit to trip on."""
     script = tmp_path / "tp_torchrun.py"
     script.write_text(textwrap.dedent(f"""
         import os
@@ -219,6 +220,12 @@ def test_torchrun_launch(tmp_path):
         out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         print("tokens", *out[0].outputs[0].token_ids, flush=True)
+        gloo = lambda: [t for t in os.listdir("/proc/self/task")
+                        if open(f"/proc/self/task/{{t}}/comm").read().startswith(("gloo", "pt_gloo"))]
+        assert gloo(), "expected gloo threads while the group is up"
+        llm.engine.model.close()
+        assert not gloo(), "close() left gloo threads running (they abort the exit)"
+        print("closed", flush=True)
     """))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -228,6 +235,7 @@ def test_torchrun_launch(tmp_path):
                          capture_output=True, text=True, timeout=180,
                          env={**os.environ, "MINIVLLM_TP_TIMEOUT": "60", "TQDM_DISABLE": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "closed" in run.stdout.splitlines(), run.stdout[-2000:]
     (line,) = [t for t in run.stdout.splitlines() if t.startswith("tokens")]
     ref = LLM(TINY_MODEL, dtype="float32", device="cpu", compile=False, num_blocks=16,
               max_model_len=128).generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(
