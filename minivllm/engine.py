@@ -53,6 +53,7 @@ from minivllm.sampling import (
     SamplerOutput,
     SamplingParams,
     exponential_noise,
+    greedy_tokens,
     process_logits,
 )
 from minivllm.scheduler import Scheduler, Sequence
@@ -460,7 +461,7 @@ class LLMEngine:
         # penalties, biases and bans run beside the graph, eagerly, on the rows that ask
         processed = process_logits(logits, params, *self._processor_inputs(seqs))
         if all(p.is_greedy for p in params):
-            tokens = processed.argmax(dim=-1)
+            tokens = greedy_tokens(processed)
         else:
             noise = exponential_noise(len(seqs), logits.shape[-1],
                                       [s.generator for s in seqs], self.device)

@@ -13,7 +13,7 @@ from hf_oracle import hf_greedy, hf_logprobs
 
 from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import BlockManager
-from minivllm.sampling import Sampler
+from minivllm.sampling import Sampler, greedy_tokens
 from minivllm.scheduler import Scheduler, Sequence, SequenceStatus
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -201,6 +201,25 @@ def test_sampler_filters():
     two = [SamplingParams(temperature=1.0, top_p=0.7)] * 4  # keeps tokens 0 and 1 only
     seen = {t for _ in range(50) for t in sampler(logits, two, [None] * 4).token_ids.tolist()}
     assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_is_argmax_with_its_ties_nan_and_inf(dtype):
+    """greedy_tokens reads max(dim=-1) for speed; it must pick argmax's index on every row,
+    including ties (the first), NaN (ranked highest) and +/-inf."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(12, 5000, generator=g) * 3).to(dtype)
+    top = x[1].max() + 1
+    x[1, 10] = x[1, 20] = x[1, 4999] = top  # a three-way tie: the first wins
+    x[2] = 0  # all equal: index 0
+    x[3, 100] = float("nan")  # NaN is the maximum
+    x[4, 7] = x[4, 9] = float("nan")  # the first NaN
+    x[5, 200] = x[5, 300] = float("inf")
+    x[6] = float("-inf")
+    x[7, -1] = 1000  # the last column
+    got, want = greedy_tokens(x), x.argmax(dim=-1)
+    assert torch.equal(got, want), (got, want)
+    assert got[[1, 2, 3, 4, 5, 6, 7]].tolist() == [10, 0, 100, 7, 200, 0, 4999]
 
 
 def test_sampler_draws_from_the_softmax():
