@@ -7,8 +7,8 @@ the records, so a figure with nothing behind it fails instead of being drawn emp
 
 Figures are grouped by (model, device, dtype): the bundled tiny model and the 0.5B shape never
 share an axis. The throughput, latency and memory figures show one run (one ``--label``) per
-group, the one with the most levels measured on a quiet machine, so their lines are measured
-side by side; the speedup and roofline figures show every run with repeats, one row each.
+group (an ``--interleave`` run quiet at every level first, else the one with the most levels
+measured on a quiet machine), so their lines are measured side by side; the speedup and roofline figures show every run with repeats, one row each.
 With ``--repeat N`` each level shows its median run, and every ratio is the median of the
 per-repeat paired ratios with their range: the harness's own functions (``median_runs``,
 ``throughput_ratio``, ``roofline_fraction``), imported, not restated.
@@ -188,13 +188,15 @@ def is_multi_level(records: list[dict]) -> bool:
 
 def pick_run(records: list[dict]) -> str | None:
     """The label to draw against concurrency: among runs with some engine at two or more
-    levels, the one with the most levels measured on a quiet machine, then the most levels,
-    then the newest."""
-    def score(label: str, rows: list[dict]) -> tuple[int, int, str]:
+    levels, an ``--interleave`` run that was quiet at every level first (its engines ran each
+    level minutes apart, so their lines are the fairest comparison), then the one with the
+    most levels measured on a quiet machine, then the most levels, then the newest."""
+    def score(label: str, rows: list[dict]) -> tuple[bool, int, int, str]:
         keys = {(engine_label(r), r["workload"], r["concurrency"]) for r in rows}
         quiet = [k for k in keys if not any(r.get("load", {}).get("busy")
                                             for r in level_runs(rows, *k))]
-        return len(quiet), len(keys), max(r.get("time", "") for r in rows)
+        interleaved = all(r.get("interleaved") for r in rows) and len(quiet) == len(keys)
+        return interleaved, len(quiet), len(keys), max(r.get("time", "") for r in rows)
     runs = {lb: rows for lb, rows in by_label(records).items() if is_multi_level(rows)}
     return max(runs, key=lambda lb: score(lb, runs[lb])) if runs else None
 

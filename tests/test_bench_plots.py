@@ -104,6 +104,17 @@ def test_the_run_drawn_has_the_most_quiet_levels_then_is_newest():
     assert plotting.pick_run(single) is None
 
 
+def test_an_interleaved_quiet_run_is_drawn_before_a_wider_one():
+    """--interleave runs each level by every engine in turn: the fairest lines to draw."""
+    wide = [rec("wide", e, "fixed", c, 1.0, time="2026-01-03")
+            for e in ("minivllm", "transformers", "vllm") for c in (1, 4)]
+    inter = [dict(rec("inter", e, "fixed", c, 1.0, time="2026-01-01"), interleaved=True)
+             for e in ("minivllm", "transformers") for c in (1, 4)]
+    assert plotting.pick_run(wide + inter) == "inter"
+    inter[0]["load"] = {"busy": True}  # one busy level: no longer first
+    assert plotting.pick_run(wide + inter) == "wide"
+
+
 def test_a_group_without_two_levels_is_skipped_and_said():
     specs, skipped = plotting.plan(headline() + [rec("one", "minivllm", "fixed", 1, 5.0,
                                                      model="/ckpts/solo")])
