@@ -8,7 +8,8 @@ the records, so a figure with nothing behind it fails instead of being drawn emp
 Figures are grouped by (model, device, dtype): the bundled tiny model and the 0.5B shape never
 share an axis. The throughput, latency and memory figures show one run (one ``--label``) per
 group (an ``--interleave`` run quiet at every level first, else the one with the most levels
-measured on a quiet machine), so their lines are measured side by side; the speedup and roofline figures show every run with repeats, one row each.
+measured on a quiet machine), so their lines are measured side by side; the speedup and
+roofline figures show every run with repeats, one row each.
 With ``--repeat N`` each level shows its median run, and every ratio is the median of the
 per-repeat paired ratios with their range: the harness's own functions (``median_runs``,
 ``throughput_ratio``, ``roofline_fraction``), imported, not restated.
