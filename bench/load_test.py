@@ -20,7 +20,7 @@ mixed prompt and output lengths. Each round checks
   more than ``--max-rss-growth`` over round 1.
 
 Prints a summary and exits 1 on any failure. The functions are reused by
-tests/test_server_reliability.py with small numbers.
+tests/test_04_server_reliability.py with small numbers.
 """
 
 from __future__ import annotations

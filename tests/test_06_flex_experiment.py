@@ -1,6 +1,6 @@
-"""The FlexAttention experiment of Milestone 6 (bench/flex_attention/): reading the paged pool
-in place must give the gather + SDPA backend's answer, so that its timings compare like with
-like. Small pools and batches: each layout compiles once (a few seconds)."""
+"""The FlexAttention experiment of Milestone 6 (bench/experiments/flex_attention/): reading the
+paged pool in place must give the gather + SDPA backend's answer, so that its timings compare
+like with like. Small pools and batches: each layout compiles once (a few seconds)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from notebook_helpers import load_module
 
 from minivllm.attention import attend_group, gather_blocks
 
-EXPERIMENT = Path(__file__).resolve().parent.parent / "bench" / "flex_attention"
+EXPERIMENT = Path(__file__).resolve().parent.parent / "bench" / "experiments" / "flex_attention"
 H, NKV, D, BS, NUM_BLOCKS, MAX_ROWS = 14, 2, 64, 16, 96, 8
 
 

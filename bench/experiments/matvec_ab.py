@@ -1,8 +1,8 @@
 """The compiled decode step with and without `single_row_matvec`, alternated in one process.
 
-    python tools/matvec_ab.py [--model M] [--rows 1] [--context 160] [--pairs 20]
-    python tools/matvec_ab.py --level engine [--model M] [--pairs 6] [--output-len 48]
-    python tools/matvec_ab.py --kernel inductor --against mv    # the two matvec kernels
+    python bench/experiments/matvec_ab.py [--model M] [--rows 1] [--context 160] [--pairs 20]
+    python bench/experiments/matvec_ab.py --level engine [--model M] [--pairs 6] [--output-len 48]
+    python bench/experiments/matvec_ab.py --kernel inductor --against mv    # the two matvec kernels
 
 Why this exists: on a CPU, a bf16 decode step of one row is as fast as the kernel that reads
 the weights, and ``torch.mv`` reads them faster than ATen's ``mm`` (notebook 07, "One bf16 row

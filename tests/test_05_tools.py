@@ -1,4 +1,6 @@
-"""tools/roofline.py: the stand-alone roofline report, on the bundled tiny model."""
+"""The benchmark's tools (notebook 05): tools/roofline.py, the stand-alone roofline report, on
+the bundled tiny model; tools/weight_bandwidth.py; tools/cuda_session.sh; and the experiment
+bench/experiments/omp_threads.py."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def test_cuda_session_script_is_ready(tmp_path):
 
 def test_omp_threads_measures_both_sides(tiny_model):
     """Guards: the thread experiment behind AsyncEngine's build-in-thread rule rotting."""
-    tool = load_module(REPO / "tools" / "omp_threads.py", "omp_threads")
+    tool = load_module(REPO / "bench" / "experiments" / "omp_threads.py", "omp_threads")
     result = tool.main(["--model", str(tiny_model), "--no-compile", "--rounds", "1",
                         "--tokens", "4"])
     assert result["loading_thread_tok_s"] > 0 and result["other_thread_tok_s"] > 0

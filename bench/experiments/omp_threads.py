@@ -1,6 +1,6 @@
 """Decode speed of one engine stepped from the thread that loaded it vs from another thread.
 
-    python tools/omp_threads.py [--model M] [--compile] [--rounds 3] [--tokens 300]
+    python bench/experiments/omp_threads.py [--model M] [--compile] [--rounds 3] [--tokens 300]
 
 Why this exists: torch runs its intra-op parallelism on OpenMP, and libgomp keeps one pool
 of worker threads per *initial* thread that ran a parallel region. An engine loaded (and

@@ -3,7 +3,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # flex_paged
 import torch
 from flex_paged import (

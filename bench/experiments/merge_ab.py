@@ -1,8 +1,8 @@
 """The model with and without merged projections (q/k/v and gate/up as one matmul each),
 alternated in one process.
 
-    python tools/merge_ab.py [--model M] [--rows 1,8,32] [--context 160] [--pairs 40]
-    python tools/merge_ab.py --level prefill [--model M] [--prompts 16,1] [--pairs 8]
+    python bench/experiments/merge_ab.py [--model M] [--rows 1,8,32] [--context 160] [--pairs 40]
+    python bench/experiments/merge_ab.py --level prefill [--model M] [--prompts 16,1] [--pairs 8]
 
 Why this exists: ``EngineConfig.merge_projections`` (notebook 07) changes every layer's
 matmuls, and two engines measured minutes apart on a shared 2-core machine differ by more

@@ -1,7 +1,7 @@
 """The compiled decode step with its small-batch bf16 linears computed as ``W @ x^T``, against
 the default ``F.linear``, alternated in one process. A measurement of an idea we did not adopt.
 
-    python tools/weight_major_ab.py [--model M] [--rows 32,8] [--pad-to 0] [--pairs 12]
+    python bench/experiments/weight_major_ab.py [--model M] [--rows 32,8] [--pad-to 0] [--pairs 12]
 
 The idea: ``F.linear(x, W)`` on a CPU hands oneDNN the weight as its *second* operand, which
 its bf16 kernels re-lay-out on every call (VNNI blocks), so a decode step reads every weight
@@ -25,7 +25,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from matvec_ab import alternate  # tools/ is on the path of a script run from it
+from matvec_ab import alternate  # bench/experiments/ is on the path of a script run from it
 from torch import nn
 
 from minivllm import LLM

@@ -1,6 +1,6 @@
 """Two `python -m minivllm.serve` processes, side by side, measured in alternating rounds.
 
-    python tools/server_ab.py --model M --b-flags=--no-single-row-matvec \\
+    python bench/experiments/server_ab.py --model M --b-flags=--no-single-row-matvec \\
         [--a-flags ""] [--concurrency 1] [--rounds 8] [--input-len 128] [--output-len 64]
 
 Why this exists: on a shared 2-core machine the speed of the same server drifts by 10-35 %

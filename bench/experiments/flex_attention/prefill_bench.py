@@ -5,7 +5,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="flexbench_"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # flex_paged
 import statistics
 import time

@@ -1,6 +1,6 @@
 """Per-step cost of structured outputs: the token bitmask fill and its apply, by batch size.
 
-    python tools/structured_cost.py [--tokenizer DIR] [--batch 1,8] [--steps 64]
+    python bench/experiments/structured_cost.py [--tokenizer DIR] [--batch 1,8] [--steps 64]
 
 What a constrained decode step adds to the engine's (minivllm/structured.py): for each row
 with a grammar, llguidance fills one bitmask row (``StructuredOutputManager.bitmask``), then
