@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minivllm.kv_cache import AttentionMetadata, KVCachePool, PagedAttention
+from minivllm.kv_cache import AttentionMetadata, KVCachePool
 
 
 @dataclass
@@ -116,6 +116,3 @@ class BatchedAttention:
             o = attend(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
             out[g.rows[g.valid]] = o[g.valid]
         return out
-
-
-BACKENDS = {"loop": PagedAttention, "batched": BatchedAttention}

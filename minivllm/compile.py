@@ -21,6 +21,11 @@ and block counts: inputs are padded up to the bucket, so each bucket replays one
 Padding rows (to reach a bucket, or at least 2 rows so that dynamo never specialises on a
 batch of 1) point at a *scratch block* the block manager never hands out: their writes land
 there and their outputs are dropped. Prefill stays eager.
+
+The engine reaches all of it through ``CompiledRunner``, the ``ModelRunner`` variant that
+``EngineConfig`` selects (``minivllm.engine.RUNNER_VARIANTS["compiled"]``): it merges the
+projections when it loads the model, and runs every pure-decode step through the compiled
+graph (every other step, and a platform where compiling fails, takes notebook 03's eager path).
 """
 
 from __future__ import annotations
@@ -38,7 +43,20 @@ from torch import nn
 from minivllm.attention import attend_decode, gather_blocks
 from minivllm.config import MATVEC_KERNELS, cpu_flags
 from minivllm.model import MLP, Attention
-from minivllm.sampling import mask_min_p, mask_top_k, mask_top_p
+from minivllm.runner import ModelRunner
+from minivllm.sampling import (
+    GREEDY_EPS,
+    Sampler,
+    SamplerOutput,
+    SamplingParams,
+    exponential_noise,
+    greedy_tokens,
+    mask_min_p,
+    mask_top_k,
+    mask_top_p,
+    process_logits,
+)
+from minivllm.scheduler import RunnerOutput, SchedulerOutput, Sequence
 
 logger = logging.getLogger("minivllm.compile")
 
@@ -92,17 +110,17 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor,
                   use_filters: bool) -> torch.Tensor:
     """Batched sampling with the noise drawn outside (so per-request seeds work): (B, V) -> (B,)."""
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp(min=1e-5).unsqueeze(-1)
+    greedy = greedy_tokens(logits)  # notebook 03's argmax
+    scaled = logits / temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
     if use_filters:
         scaled = mask_min_p(mask_top_p(mask_top_k(scaled, top_k), top_p), min_p)
     sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
-    return torch.where(temperature < 1e-5, greedy, sampled)
+    return torch.where(temperature < GREEDY_EPS, greedy, sampled)
 
 
 @dataclass
 class DecodeInputs:
-    """Host-side description of a decode batch (what the engine hands over)."""
+    """Host-side description of a decode batch (what CompiledRunner hands over)."""
 
     input_ids: list[int]
     seq_lens: list[int]  # context length including the new token
@@ -144,10 +162,7 @@ def choose_matvec_kernel(requested: str = "auto",
     own loop for it). Measured on the 0.5B model's lm_head: an AMX Xeon reads the weight at
     ~20 GiB/s through torch.mv and ~11 through inductor's loop; a Zen 5 (avx512_bf16, no
     AMX) at ~12 through torch.mv and ~30 through inductor's loop. So AMX decides."""
-    if requested != "auto":
-        if requested not in MATVEC_KERNELS:
-            raise ValueError(f"matvec_kernel must be 'auto' or one of {MATVEC_KERNELS}, "
-                             f"got {requested!r}")
+    if requested != "auto":  # EngineConfig checked it; use_matvec_for_single_rows does too
         return requested, "as configured (matvec_kernel)"
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags:
@@ -334,8 +349,6 @@ class CompiledDecoder:
     def warmup(self, vocab_size: int) -> float:
         """Compile every graph up front: batch 1 (its own graph on CPU) at two table widths,
         then batch shapes 2 and 3, which make the sizes dynamic."""
-        from minivllm.sampling import SamplingParams
-
         start = time.perf_counter()
         shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
         for rows, width in [*shapes, (2, 2), (3, 3)]:
@@ -379,3 +392,56 @@ def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scrat
                       "running the decode step eagerly (set MINIVLLM_COMPILE=0 to skip trying)",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+class CompiledRunner(ModelRunner):
+    """``ModelRunner`` with merged projections and the compiled decode step (notebook 07):
+    ``EngineConfig.compile`` / ``merge_projections`` select it (``engine.RUNNER_VARIANTS``)."""
+
+    def __init__(self, config, *args) -> None:
+        super().__init__(config, *args)  # loads (and merges) the model, sizes the pool
+        use_compile = compile_enabled_by_default() if config.compile is None else config.compile
+        self.decoder: CompiledDecoder | None = None  # None: every step runs eagerly
+        if use_compile:
+            self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
+                                       self.num_blocks, self.device, self.model_config.vocab_size,
+                                       single_row_matvec=config.single_row_matvec,
+                                       matvec_kernel=config.matvec_kernel)
+        self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
+
+    def load_model(self, path) -> nn.Module:
+        model = super().load_model(path)
+        if self.config.merge_projections:  # q/k/v as one matmul, gate/up as one
+            saved = merge_projections(model)  # 0 for tensor-parallel shards
+            logger.info("merged projections: %d fewer matmuls per forward pass", saved)
+        return model
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """A pure-decode step (one new token per sequence, its last) through the compiled
+        graph; any other step the eager way (notebook 03)."""
+        if self.decoder is None or not all(
+                n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in plan.scheduled):
+            return super().execute(plan)
+        seqs = [s for s, _ in plan.scheduled]
+        batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
+                             [s.block_table for s in seqs])
+        out = RunnerOutput(counters={"num_prompt_tokens_computed": sum(  # a prompt's last token
+            1 for s in seqs if s.num_computed_tokens < s.num_prompt_tokens)})
+        self.sample(self.decoder.logits(batch), seqs, out, sample_logits=self._sample_compiled)
+        return out
+
+    def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """The compiled step's sampler: the logits processors beside the graph, eagerly, on
+        the rows that ask; greedy batches skip the graph; logprobs of the raw logits."""
+        params = [s.params for s in seqs]
+        processed = process_logits(logits, params, [s.token_ids for s in seqs],
+                                   [s.num_prompt_tokens for s in seqs],
+                                   [self.banned_ids(s) for s in seqs])
+        if all(p.is_greedy for p in params):
+            tokens = greedy_tokens(processed)
+        else:
+            noise = exponential_noise(len(seqs), logits.shape[-1],
+                                      [s.generator for s in seqs], self.device)
+            tokens = self.decoder.sample(processed, params, noise)
+        return Sampler.logprobs(logits, tokens, params)  # of the raw logits, as vLLM

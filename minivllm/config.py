@@ -14,8 +14,10 @@ milestones use (KV-cache size, batch limits, attention backend); it is validated
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,15 +166,39 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this CPU, as Linux names them in /proc/cpuinfo."""
+def read_cpuinfo() -> str:
+    """This CPU's description: /proc/cpuinfo, else ``lscpu`` (both write ``model name: ...``
+    and ``flags: ...`` lines; Arm writes ``Features``), else "" (not Linux)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
         pass
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def parse_cpuinfo(cpuinfo: str) -> tuple[str | None, frozenset[str]]:
+    """(model name, instruction-set flags) from /proc/cpuinfo or lscpu text; the one parser
+    that both dtype="auto" and the benchmark's record of the machine read."""
+    name, flags = None, None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key == "model name" and name is None:
+            name = value.strip()
+        elif key in ("flags", "features") and flags is None:
+            flags = frozenset(value.split())
+    return name, flags or frozenset()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU, as Linux names them in /proc/cpuinfo."""
+    flags = parse_cpuinfo(read_cpuinfo())[1]
+    if flags:
+        return flags
     # not Linux: ask the probes torch itself uses to pick its kernels
     probes = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
               "avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported"}
@@ -181,6 +207,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in hardware
+# EngineConfig.attention_backend: each name's class, by qualified name (resolve_qualname):
+# notebook 02's per-sequence loop, or notebook 06's batched call per layer
+ATTENTION_BACKENDS = {"loop": "minivllm.kv_cache:PagedAttention",
+                      "batched": "minivllm.attention:BatchedAttention"}
 MATVEC_KERNELS = ("mv", "inductor")  # EngineConfig.matvec_kernel: one of these, or "auto" (M7)
 # Environment variables that keep a process below its CPU's instruction set, read once when
 # each library loads: ATen's own kernels and inductor's generated C++ (ATEN_CPU_CAPABILITY),
@@ -289,14 +319,17 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.attention_backend not in ("loop", "batched"):
-            raise ValueError(
-                f"attention_backend must be 'loop' or 'batched', got {self.attention_backend!r}"
-            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {tuple(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.matvec_kernel not in ("auto", *MATVEC_KERNELS):
             raise ValueError(f"matvec_kernel must be 'auto' or one of {MATVEC_KERNELS}, "
                              f"got {self.matvec_kernel!r}")
-        if self.speculative_config is not None:  # Milestone 8: refuse a bad one at start-up
-            from minivllm.spec_decode import SpeculativeConfig
 
-            SpeculativeConfig.parse(self.speculative_config)
+
+def resolve_qualname(qualname: str):
+    """``"package.module:name"`` -> that object, imported now (vLLM's
+    ``resolve_obj_by_qualname``): how the engine reaches a later milestone's code only when
+    a configuration asks for it, so that no module imports one of a later notebook."""
+    module, _, name = qualname.partition(":")
+    return getattr(importlib.import_module(module), name)

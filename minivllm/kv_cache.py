@@ -274,6 +274,17 @@ class BlockManager:
             block.parent = None if parent_id is None else (parent_id, self.blocks[parent_id].epoch)
             self.cached[h] = block.block_id
 
+    def forget_exclusive(self, block_table: list[int]) -> list[int]:
+        """The blocks of ``block_table`` that no other sequence holds, dropped from the prefix
+        cache (their keys and values may be bad: a request whose logits were NaN failed)."""
+        own = [b for b in block_table if self.blocks[b].ref_count == 1]
+        for block_id in own:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids, block.parent = None, (), None
+        return own
+
 
 # ----------------------------------------------------------------------------- attention
 

@@ -21,11 +21,15 @@ KV heads split like the query heads they serve; where there are fewer KV heads t
 (Qwen2.5-0.5B: 2 KV heads), each KV head is *replicated* on the ranks whose query heads
 read it. Each rank reads only its slices from the safetensors files (``get_slice``).
 
-Control: rank 0 is the engine (scheduler, sampler, requests). Each forward it broadcasts the
-step's inputs — one small int64 tensor of token ids, positions and block tables — to the
-worker ranks, which run the same forward on their shards and join the collectives. The
-workers are spawned processes (``torch.multiprocessing``), or the other ranks of a
-``torchrun`` launch (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``).
+Control: rank 0 is the engine (scheduler, sampler, requests) and its runner is a
+``TensorParallelRunner``, the ``ModelRunner`` of notebook 03 with two methods that matter
+changed: its ``load_model`` starts the workers and loads rank 0's shard, and its ``forward``
+broadcasts the step's ``ModelInputs`` — one small int64 tensor of token ids, positions,
+block tables and the rows whose logits are wanted — before running ``ModelRunner.forward``
+itself. Each worker rank runs that same ``ModelRunner.forward`` on its shard, with a KV pool
+of its own heads, and joins the collectives. The workers are spawned processes
+(``torch.multiprocessing``), or the other ranks of a ``torchrun`` launch (``RANK`` /
+``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``).
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from minivllm.config import ModelConfig
+from minivllm.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig, resolve_qualname
 from minivllm.model import QwenForCausalLM, _checkpoint_files, causal_attention
+from minivllm.runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("minivllm.parallel")
 
@@ -306,87 +311,107 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-# Every forward starts with a broadcast of HEADER int64 values from rank 0:
-#   [command, T tokens, B sequences, total block-table length, attention backend,
-#    num_blocks of the pool, block_size, rows of hidden states (LOGITS) or the block that
-#    padded block-table entries point at (FORWARD)]
-# then, for FORWARD, one int64 payload of
-#   input_ids (T) | positions (T) | num_computed (B) | num_new (B) | table lengths (B) | tables
-# and for LOGITS the (rows, hidden) hidden states whose logits rank 0 wants.
-FORWARD, LOGITS, STOP = 1, 2, 3
-HEADER = 8
-NO_CACHE, LOOP, BATCHED = 0, 1, 2  # attention: no KV cache (a memory probe), M2, M6
+# Rank 0 drives; every command starts with a broadcast of HEADER int64 values on the control
+# group:  [command, T tokens, B sequences, total block-table length, R logits rows, num_blocks]
+# FORWARD: one int64 payload follows, the runner's ModelInputs flattened:
+#   input_ids (T) | positions (T) | num_computed (B) | num_new (B) | table lengths (B)
+#   | block tables (flat) | logits_rows (R)
+# and every rank runs ModelRunner.forward on it (num_blocks: the block manager's blocks; the
+# pool has one more, the scratch block that padded block-table entries point at).
+# NO_CACHE: a cache-less forward of T tokens, no payload (measure_cuda_kv_budget's probe).
+# ZERO: a payload of T block ids whose keys and values every rank zeroes (a failed request).
+# STOP: the workers leave the group and exit.
+FORWARD, NO_CACHE, ZERO, STOP = 1, 2, 3, 4
+HEADER = 6
 
 
-def _backends():
-    from minivllm.attention import BatchedAttention
-    from minivllm.kv_cache import PagedAttention
-
-    return {LOOP: PagedAttention, BATCHED: BatchedAttention}
-
-
-def _encode_forward(input_ids: torch.Tensor, positions: torch.Tensor, attn) -> tuple[list[int], torch.Tensor]:
-    """The header and payload that let a worker rebuild this forward's inputs."""
-    md = getattr(attn, "metadata", None)
-    t = input_ids.shape[0]
-    if md is None:  # e.g. measure_cuda_kv_budget's cache-less probe
-        header = [FORWARD, t, 0, 0, NO_CACHE, 0, 0, 0]
-        return header, torch.cat([input_ids.cpu(), positions.cpu()])
-    backend = next((k for k, cls in _backends().items() if isinstance(attn, cls)), None)
-    if backend is None:
-        raise TypeError(f"tensor parallelism runs the loop and batched attention backends; "
-                        f"the workers cannot rebuild a {type(attn).__name__}")
-    num_new = [md.query_start_loc[b + 1] - md.query_start_loc[b] for b in range(md.num_seqs)]
-    num_computed = [n - q for n, q in zip(md.seq_lens, num_new)]
-    lens = [len(table) for table in md.block_tables]
-    flat = [b for table in md.block_tables for b in table]
-    header = [FORWARD, t, md.num_seqs, len(flat), backend, attn.pool.num_blocks, md.block_size,
-              md.pad_block]  # the last slot: the block padded table entries point at
-    tail = torch.tensor(num_computed + num_new + lens + flat, dtype=torch.long)
-    return header, torch.cat([input_ids.cpu(), positions.cpu(), tail])
+def encode_inputs(inputs: ModelInputs, num_blocks: int) -> tuple[list[int], torch.Tensor]:
+    """The header and the one int64 payload that carry a step's ``ModelInputs`` to a worker."""
+    tables = inputs.block_tables
+    flat = [block for table in tables for block in table]
+    header = [FORWARD, len(inputs.input_ids), len(tables), len(flat), len(inputs.logits_rows),
+              num_blocks]
+    payload = torch.tensor([*inputs.input_ids, *inputs.positions, *inputs.num_computed,
+                            *inputs.num_new, *map(len, tables), *flat, *inputs.logits_rows],
+                           dtype=torch.long)
+    return header, payload
 
 
-class TensorParallelModel:
-    """Rank 0's view of the sharded model: called like the model, it runs every rank.
+def decode_inputs(header: list[int], payload: torch.Tensor) -> ModelInputs:
+    """A worker's copy of rank 0's ``ModelInputs`` (``encode_inputs`` undone)."""
+    _, t, b, n_flat, r, _ = header
+    ids, positions, computed, new, lens, flat, rows = (
+        part.tolist() for part in payload.split([t, t, b, b, b, n_flat, r]))
+    tables, start = [], 0
+    for n in lens:
+        tables.append(flat[start:start + n])
+        start += n
+    return ModelInputs(ids, positions, tables, computed, new, rows)
 
-    ``model(input_ids, positions, attn)`` broadcasts the step's inputs, then runs rank 0's
-    shard (the workers run theirs at the same time and meet it in each all-reduce);
-    ``compute_logits(hidden)`` broadcasts the few hidden rows to sample and returns the
-    gathered (N, vocab) logits. Anything else (``config``, ``parameters()``) is rank 0's
-    shard's. A dead worker turns the next call into a ``TensorParallelError``.
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: ``ModelRunner`` over rank 0's shard, and every rank in step with it.
+
+    ``load_model`` spawns the workers (or joins a torchrun launch) and loads rank 0's shard;
+    ``forward(inputs)`` broadcasts the step's ``ModelInputs``, then runs ``ModelRunner.forward``
+    (the workers run the same forward on their shards and meet it in each all-reduce, and in
+    the logits' all-gather). Sampling, logprobs and fault isolation are ``ModelRunner``'s, on
+    rank 0. The decode step is not compiled (a graph would have to hold the collectives) and
+    projections are not merged (they are split across ranks). A dead worker turns the next
+    step into a ``TensorParallelError``; ``close()`` stops the workers.
     """
 
-    def __init__(self, model: QwenForCausalLM, tp: TPGroup, workers: list,
-                 device: torch.device, weight_bytes_per_rank: list[int],
-                 threads_before: int | None = None) -> None:
-        self.model, self.tp, self.device = model, tp, device
-        self.workers = workers  # spawned processes (empty under torchrun)
-        self.weight_bytes_per_rank = weight_bytes_per_rank
-        self.num_kv_heads = model.model.layers[0].self_attn.n_kv_heads  # per rank
-        self._lock = threading.Lock()
-        self._failed: str | None = None
-        self._closer = weakref.finalize(self, _shutdown, tp, workers, self._lock,
-                                       threads_before or torch.get_num_threads())
+    def __init__(self, config: EngineConfig, *args) -> None:
+        compile_asked = config.compile
+        if compile_asked is None:  # notebook 07's default: $MINIVLLM_COMPILE, on
+            from minivllm.compile import compile_enabled_by_default
 
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["model"], name)
+            compile_asked = compile_enabled_by_default()
+        if compile_asked:
+            logger.info("tensor parallel: the decode step runs eagerly (not compiled)")
+        self._closer = None
+        try:
+            super().__init__(config, *args)
+        except BaseException:
+            self.close()  # the workers started; a pool that does not fit stops them again
+            raise
+
+    def load_model(self, path: Path) -> nn.Module:
+        threads_before = torch.get_num_threads()
+        model, self.tp, self.workers, self.weight_bytes_per_rank = start_tensor_parallel(
+            path, self.config, self.dtype, self.device)
+        self._lock, self._failed = threading.Lock(), None
+        self._closer = weakref.finalize(self, _shutdown, self.tp, self.workers, self._lock,
+                                        threads_before)
+        model.num_kv_heads = model.model.layers[0].self_attn.n_kv_heads  # per rank: the pool's
+        return model
 
     @property
     def world_size(self) -> int:
         return self.tp.world_size
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        header, payload = _encode_forward(input_ids, positions, attn)
+    def kv_cache_blocks(self) -> int:
+        if self.device.type == "cuda" and self.config.num_blocks is None:
+            # ModelRunner measures the budget with one cache-less forward of the largest step
+            # through rank 0's shard: the workers run it too, to meet it in the collectives
+            with self._collective():
+                _broadcast_header([NO_CACHE, self.config.max_num_batched_tokens, 0, 0, 0, 0],
+                                  self.tp.control)
+                return super().kv_cache_blocks()
+        return super().kv_cache_blocks()
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        header, payload = encode_inputs(inputs, self.num_blocks)
         with self._collective():
             _broadcast_header(header, self.tp.control)
             dist.broadcast(payload, 0, group=self.tp.control)
-            return self.model(input_ids, positions, attn)
+            return super().forward(inputs)  # (R, V): the all-gathered logits
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._collective():
-            _broadcast_header([LOGITS, 0, 0, 0, 0, 0, 0, hidden.shape[0]], self.tp.control)
-            dist.broadcast(hidden.contiguous(), 0, group=self.tp.group)
-            return self.model.compute_logits(hidden)
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        with self._collective():  # every rank's pool holds its heads of these blocks
+            _broadcast_header([ZERO, len(block_ids), 0, 0, 0, self.num_blocks], self.tp.control)
+            dist.broadcast(torch.tensor(block_ids, dtype=torch.long), 0, group=self.tp.control)
+            super().zero_blocks(block_ids)
 
     def check_workers(self) -> None:
         """Raise TensorParallelError if a worker process has died."""
@@ -421,7 +446,8 @@ class TensorParallelModel:
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent; also on garbage
         collection and at interpreter exit)."""
-        self._closer()
+        if self._closer is not None:
+            self._closer()
 
 
 class TensorParallelError(RuntimeError):
@@ -441,7 +467,7 @@ def _shutdown(tp: TPGroup, workers: list, lock: threading.Lock, threads: int) ->
     alive = all(p.is_alive() for p in workers)
     if alive and tp.control is not None and lock.acquire(timeout=5):
         try:
-            _broadcast_header([STOP, 0, 0, 0, 0, 0, 0, 0], tp.control)
+            _broadcast_header([STOP, 0, 0, 0, 0, 0], tp.control)
         except Exception as err:  # noqa: BLE001 (best effort: they are killed below anyway)
             logger.debug("tensor parallel: STOP not delivered (%s)", err)
         finally:
@@ -484,11 +510,15 @@ def _init_group(rank: int, world_size: int, device: torch.device, store=None):
     return dist.group.WORLD, control
 
 
-def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.dtype,
-                          device: torch.device) -> TensorParallelModel:
-    """Rank 0: spawn the workers (or join a torchrun launch), load this rank's shard."""
-    config = ModelConfig.from_pretrained(model_path)
-    check_tp_split(config, world_size)  # refuse before anything is spawned
+def start_tensor_parallel(model_path: str | Path, config: EngineConfig, dtype: torch.dtype,
+                          device: torch.device) -> tuple[QwenForCausalLM, TPGroup, list, list[int]]:
+    """Rank 0: spawn the workers (or join a torchrun launch), load this rank's shard.
+
+    Returns rank 0's shard, its ``TPGroup``, the spawned worker processes (none under
+    torchrun) and every rank's weight bytes. A worker gets ``config`` too: its attention
+    backend and block size are rank 0's."""
+    world_size = config.tensor_parallel_size
+    check_tp_split(ModelConfig.from_pretrained(model_path), world_size)  # before any spawn
     if device.type == "cuda" and "RANK" not in os.environ and (
             (device.index or 0) + world_size > torch.cuda.device_count()):
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs from "
@@ -508,7 +538,8 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
                              f"{world_size}")
         device = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
         if rank != 0:  # not the engine: serve rank 0 until it stops, then end the process
-            run_worker(rank, world_size, str(model_path), str(dtype)[6:], str(device), None)
+            run_worker(rank, world_size, str(model_path), str(dtype)[6:], str(device), None,
+                       config)
             raise SystemExit(0)
     else:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
@@ -517,7 +548,7 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
         for rank in range(1, world_size):
             p = ctx.Process(target=_worker_main, name=f"minivllm-tp-rank{rank}", daemon=True,
                             args=(rank, world_size, store.port, str(model_path), str(dtype)[6:],
-                                  str(_rank_device(device, rank)), _threads()))
+                                  str(_rank_device(device, rank)), config, _threads()))
             p.start()
             workers.append(p)
     try:
@@ -535,38 +566,69 @@ def start_tensor_parallel(model_path: str | Path, world_size: int, dtype: torch.
     logger.info("tensor parallel: %d ranks (%s), weights per rank %s MiB", world_size,
                 "nccl" if device.type == "cuda" else f"gloo, {torch.get_num_threads()} thread(s) each",
                 ", ".join(f"{b / 2**20:.1f}" for b in sizes))
-    return TensorParallelModel(model, tp, workers, device, sizes, threads_before)
+    return model, tp, workers, sizes
 
 
 def _worker_main(rank: int, world_size: int, port: int, model_path: str, dtype: str,
-                 device: str, threads: int) -> None:
+                 device: str, config: EngineConfig, threads: int) -> None:
     """Entry point of a spawned worker process."""
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=timedelta(seconds=120))
-    run_worker(rank, world_size, model_path, dtype, device, store, threads)
+    run_worker(rank, world_size, model_path, dtype, device, store, config, threads)
 
 
 @torch.inference_mode()
 def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: str,
-               store, threads: int | None = None) -> None:
+               store, config: EngineConfig, threads: int | None = None) -> None:
     """A worker rank: load its shard, then run whatever rank 0 broadcasts until STOP."""
     device_ = torch.device(device)
     if device_.type == "cpu":
         torch.set_num_threads(threads or _threads())
     tp = TPGroup(rank, world_size, *_init_group(rank, world_size, device_, store))
     try:
-        _serve(tp, load_sharded_model(model_path, tp, getattr(torch, dtype), device_), device_)
+        model = load_sharded_model(model_path, tp, getattr(torch, dtype), device_)
+        _serve(tp, WorkerRunner(config, model, device_))
     finally:
         tp.leave()
 
 
-def _serve(tp: TPGroup, model: QwenForCausalLM, device_: torch.device) -> None:
-    """A worker's loop: rebuild each step rank 0 broadcasts and run it on this shard."""
-    from minivllm.kv_cache import AttentionMetadata, KVCachePool
+class WorkerRunner:
+    """A worker rank's side of the runner: its shard, a KV pool of its own KV heads, rank 0's
+    attention backend (by name, from the config) — and ``ModelRunner``'s own ``forward`` and
+    ``zero_blocks``, so every rank runs exactly the step rank 0 runs."""
 
-    dist.all_gather_object([None] * tp.world_size, weight_bytes(model), group=tp.control)
-    c, n_kv = model.config, model.model.layers[0].self_attn.n_kv_heads
-    pool = None
+    forward = ModelRunner.forward
+    zero_blocks = ModelRunner.zero_blocks
+
+    def __init__(self, config: EngineConfig, model: QwenForCausalLM, device: torch.device):
+        self.config, self.model, self.device = config, model, device
+        self.model_config = model.config
+        self.attention_cls = resolve_qualname(ATTENTION_BACKENDS[config.attention_backend])
+        self.num_blocks, self.pool = 0, None
+
+    def ensure_pool(self, num_blocks: int) -> None:
+        """A pool like rank 0's (its blocks, plus the scratch block), of this rank's KV heads."""
+        if self.pool is None or self.num_blocks != num_blocks:
+            from minivllm.kv_cache import KVCachePool
+
+            c = self.model_config
+            self.num_blocks = num_blocks
+            self.pool = KVCachePool(c.num_hidden_layers, num_blocks + 1, self.config.block_size,
+                                    self.model.model.layers[0].self_attn.n_kv_heads, c.head_dim,
+                                    self.model.lm_head.weight.dtype, self.device)
+
+
+def _cache_less_forward(model: QwenForCausalLM, num_tokens: int, device: torch.device) -> None:
+    """The forward of ``measure_cuda_kv_budget`` (notebook 02), on this rank's shard."""
+    hidden = model(torch.zeros(num_tokens, dtype=torch.long, device=device),
+                   torch.arange(num_tokens, device=device),
+                   lambda layer, q, k, v: causal_attention(q, k, v))
+    model.compute_logits(hidden[-1:])
+
+
+def _serve(tp: TPGroup, runner: WorkerRunner) -> None:
+    """A worker's loop: receive each command rank 0 broadcasts and run it on this shard."""
+    dist.all_gather_object([None] * tp.world_size, weight_bytes(runner.model), group=tp.control)
     header = torch.zeros(HEADER, dtype=torch.long)
     while True:
         try:
@@ -574,29 +636,18 @@ def _serve(tp: TPGroup, model: QwenForCausalLM, device_: torch.device) -> None:
         except RuntimeError as err:  # rank 0 is gone (killed): nothing is left to serve
             logger.warning("tensor parallel rank %d: rank 0 went away (%s); exiting", tp.rank, err)
             return
-        command, t, b, n_flat, backend, num_blocks, block_size, rows = header.tolist()
+        values = header.tolist()
+        command, t, b, n_flat, r, num_blocks = values
         if command == STOP:
             return
-        if command == LOGITS:
-            h = torch.empty(rows, c.hidden_size, dtype=model.lm_head.weight.dtype, device=device_)
-            dist.broadcast(h, 0, group=tp.group)
-            model.compute_logits(h)  # joins the all-gather; rank 0 samples
+        if command == NO_CACHE:
+            _cache_less_forward(runner.model, t, runner.device)
             continue
-        payload = torch.empty(2 * t + 3 * b + n_flat, dtype=torch.long)
+        payload = torch.empty(t if command == ZERO else 2 * t + 3 * b + n_flat + r,
+                              dtype=torch.long)
         dist.broadcast(payload, 0, group=tp.control)
-        input_ids, positions = payload[:t].to(device_), payload[t:2 * t].to(device_)
-        if backend == NO_CACHE:
-            attn = lambda layer, q, k, v: causal_attention(q, k, v)
-        else:
-            if pool is None or pool.num_blocks != num_blocks or pool.block_size != block_size:
-                pool = KVCachePool(c.num_hidden_layers, num_blocks, block_size, n_kv, c.head_dim,
-                                   model.lm_head.weight.dtype, device_)
-            num_computed, num_new, lens, flat = payload[2 * t:].split([b, b, b, n_flat])
-            tables, flat = [], flat.tolist()
-            for n in lens.tolist():
-                tables.append(flat[:n])
-                flat = flat[n:]
-            md = AttentionMetadata.build(tables, num_computed.tolist(), num_new.tolist(),
-                                         block_size, device_, pad_block=rows)  # FORWARD: pad block
-            attn = _backends()[backend](pool, md)
-        model(input_ids, positions, attn)  # joins the all-reduces; rank 0 keeps the result
+        runner.ensure_pool(num_blocks)
+        if command == ZERO:
+            runner.zero_blocks(payload.tolist())
+        else:  # FORWARD: joins the all-reduces and the logits' all-gather; rank 0 samples
+            runner.forward(decode_inputs(values, payload))

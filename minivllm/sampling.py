@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 MAX_LOGPROBS = 20  # the OpenAI API allows at most 20 top logprobs
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI, vLLM)
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
@@ -151,7 +151,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -379,7 +379,7 @@ class Sampler:
         logits = process_logits(raw_logits, params, token_ids or [[]] * rows,
                                 num_prompt_tokens or [0] * rows, banned_token_ids or [[]] * rows)
         sampled = self._sample(logits, params, generators)
-        return self._logprobs(raw_logits, sampled, params)
+        return self.logprobs(raw_logits, sampled, params)
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
         greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
@@ -390,7 +390,7 @@ class Sampler:
         return torch.where(greedy, greedy_ids, sampled_ids)
 
     @staticmethod
-    def _logprobs(raw_logits, token_ids, params) -> SamplerOutput:
+    def logprobs(raw_logits, token_ids, params) -> SamplerOutput:
         """Logprobs are those of the model's raw distribution, as vLLM reports them."""
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if not wanted:

@@ -19,8 +19,10 @@ Each step:
    tokens kept) and goes back to the front of the queue, to be recomputed later;
 2. waiting sequences are admitted first-come-first-served while sequences, tokens and
    blocks allow.
-After the forward pass, ``postprocess`` appends sampled tokens and retires sequences on
-EOS, stop token ids or length, freeing their blocks at once.
+After the model runner has run the plan, ``update`` appends the sampled tokens and retires
+sequences on EOS, stop token ids or length, freeing their blocks at once. ``SchedulerOutput``
+(the plan) and ``RunnerOutput`` (what the runner gives back) are the whole contract between
+the scheduler and the model runner (vLLM's ``SchedulerOutput`` / ``ModelRunnerOutput``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per output token, when asked for
         # prompt logprobs need the logits of every prompt position: no prefix-cache lookup
         self.lookup_prefix = params.prompt_logprobs is None
+        # the first completion records them: None for the first token, then one entry per
+        # prompt token, {its id: logprob, and the top k}, from the position before it
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
@@ -102,6 +108,21 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner gives back for one plan; ``Scheduler.update`` applies it."""
+
+    # seq_id -> its sampled tokens: one per step, or several after a verified draft (M8);
+    # a mid-prompt chunk samples nothing
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> per sampled token {token id: logprob, and the top k}, when asked for
+    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    # seq_id -> this chunk's prompt logprobs (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    failed: dict[int, Exception] = field(default_factory=dict)  # seq_id -> why its request fails
+    counters: dict[str, int] = field(default_factory=dict)  # what this step adds to EngineStats
 
 
 class Scheduler:
@@ -177,37 +198,60 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, scheduled: list[tuple[Sequence, int]], sampled: dict[int, int],
-                    on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
-        """Advance the computed counts, append sampled tokens and retire finished sequences.
+    def update(self, plan: SchedulerOutput, out: RunnerOutput,
+               on_token: Callable[[Sequence, int, bool], str | None] | None = None,
+               on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
+        """Apply the runner's output to the plan: advance the computed counts, append the
+        sampled tokens up to the first stop, retire finished sequences.
 
-        ``sampled`` maps seq_id -> the token sampled for it (sequences that finished their
-        prompt or decoded this step; a mid-prompt chunk samples nothing). Returns the
-        sequences that received a token. A stop check that raises is handed to
-        ``on_error`` (the engine fails that request alone) instead of ending the step.
+        A sequence gets one token per step, or several after a verified draft (notebook 08);
+        they are appended one at a time and the first that stops the sequence is the last
+        appended, so no token past a stop is ever added (nor later deleted). ``on_token(seq,
+        token, finishing)`` sees each appended token and may return a stop string it
+        completed (the output processor detokenizes there). A stop check that raises is handed
+        to ``on_error`` (the engine fails that request alone) instead of ending the step.
+        Returns the sequences that received tokens.
         """
         progressed = []
-        for seq, n in scheduled:
+        for seq, n in plan.scheduled:
             if seq.is_finished:  # its request failed earlier in this step
                 continue
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(
-                seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
-            if seq.seq_id not in sampled:
-                continue
-            token = sampled[seq.seq_id]
-            seq.token_ids.append(token)
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(out.prompt_logprobs.get(seq.seq_id, ()))
+            tokens = out.token_ids.get(seq.seq_id, [])
             try:
-                reason = self.check_stop(seq, token)
+                kept, reason = self._append(seq, tokens, out.logprobs.get(seq.seq_id), on_token)
             except Exception as e:
                 if on_error is None:
                     raise
                 on_error(seq, e)
                 continue
-            progressed.append(seq)
+            if kept:  # a verified draft's kept tokens, all but a last bonus token, have KV
+                seq.num_computed_tokens += min(len(tokens) - 1, kept)
+            self.block_manager.cache_full_blocks(
+                seq.token_ids, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+            if kept:
+                progressed.append(seq)
             if reason is not None:
                 self.finish(seq, *reason)
         return progressed
+
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None,
+                on_token) -> tuple[int, tuple[str, int | str | None] | None]:
+        """Append ``tokens`` up to the first that stops the sequence: (how many, why)."""
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i][token]
+            reason = self.check_stop(seq, token)
+            stop_string = on_token(seq, token, reason is not None) if on_token else None
+            if reason is None and stop_string is not None:
+                reason = ("stop", stop_string)
+            if reason is not None:
+                return i + 1, reason
+        return len(tokens), None
 
     def check_stop(self, seq: Sequence, token: int) -> tuple[str, int | None] | None:
         """Token-level stop conditions: (finish_reason, stop_reason) or None."""

@@ -24,9 +24,15 @@ draw from the normalised max(0, p - q)); both proposers here are deterministic, 
 one-hot.
 
 When it does not pay it steps aside: no verification rows where the proposer has nothing,
-no speculation while the batch has ``disable_by_batch_size`` sequences or more (a big batch
-is already compute-bound), and a sequence whose recent proposals were mostly rejected
+no speculation while a step schedules ``disable_by_batch_size`` sequences or more (a big
+batch is already compute-bound), and a sequence whose recent proposals were mostly rejected
 pauses for a while.
+
+In the engine it is a runner *wrapper*: ``SpeculativeRunner(runner, block_manager)`` has the
+``execute(plan) -> RunnerOutput`` of the runner it wraps (plain, compiled or tensor
+parallel), which ``LLMEngine`` builds when ``EngineConfig.speculative_config`` is set
+(``engine.RUNNER_VARIANTS``). A verified sequence's entry in ``RunnerOutput.token_ids`` holds
+all its emitted tokens; ``Scheduler.update`` appends them up to the first stop.
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ import torch
 
 from minivllm.compile import DecodeInputs
 from minivllm.kv_cache import AttentionMetadata, BlockManager, KVCachePool
-from minivllm.sampling import SamplingParams, sampling_probs
+from minivllm.runner import ModelInputs, ModelRunner
+from minivllm.sampling import Sampler, SamplingParams, sampling_probs
+from minivllm.scheduler import RunnerOutput, SchedulerOutput, Sequence, SequenceStatus
+from minivllm.tokenizer import Tokenizer
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a step's rows are mostly rejected work
@@ -54,7 +63,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: shortest suffix that counts as a match
     model: str | None = None  # draft_model: checkpoint directory or hub id
-    disable_by_batch_size: int | None = 8  # no speculation with this many running sequences
+    disable_by_batch_size: int | None = 8  # no speculation in a step of this many sequences
     min_acceptance_rate: float = 0.2  # a sequence below this (recent window) pauses
     acceptance_window: int = 8  # verifications the rate is measured over
     pause_steps: int = 32  # how long a sequence with low acceptance pauses
@@ -217,53 +226,47 @@ class DraftModelProposer:
 
     The draft keeps its own KV pool and block manager (same block size and number of blocks
     as the target). A sequence's draft blocks are allocated on its first proposal (sharing
-    cached prefix blocks, as the target does), grown as it goes, rolled back with the
-    target's, and freed when the sequence leaves the running set (finished or preempted).
+    cached prefix blocks, as the target does), grown as it goes, rolled back to what the
+    target kept before its next proposal (``after_verify``), and freed when the sequence
+    leaves the running set (finished or preempted: ``release``).
     """
 
-    def __init__(self, engine, config: SpeculativeConfig):
+    def __init__(self, runner: ModelRunner, config: SpeculativeConfig):
         from minivllm.compile import merge_projections
         from minivllm.config import ModelConfig, resolve_model_path
         from minivllm.model import load_model
-        from minivllm.tokenizer import Tokenizer
 
         path = resolve_model_path(config.model)
         self.model_config = mc = ModelConfig.from_pretrained(path)
-        target = engine.model_config
+        target = runner.model_config
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {config.model} has vocab_size {mc.vocab_size}, "
                              f"the target {target.vocab_size}: they must share a vocabulary")
-        draft_vocab = Tokenizer.from_pretrained(path)._tok.get_vocab(with_added_tokens=True)
-        if draft_vocab != engine.tokenizer._tok.get_vocab(with_added_tokens=True):
+        if vocabulary(path) != vocabulary(runner.model_path):
             raise ValueError(f"the draft model {config.model} has a different tokenizer "
                              "from the target: its token ids would mean other tokens")
-        if mc.max_position_embeddings < engine.max_model_len:
+        if mc.max_position_embeddings < runner.max_model_len:
             raise ValueError(f"the draft model {config.model} holds "
                              f"{mc.max_position_embeddings} positions, less than max_model_len "
-                             f"{engine.max_model_len}: give a smaller max_model_len")
-        self.engine = engine
-        self.model = load_model(path, dtype=engine.dtype, device=engine.device)
-        if engine.config.merge_projections:  # as the target's (notebook 07)
+                             f"{runner.max_model_len}: give a smaller max_model_len")
+        self.device, self.block_size = runner.device, runner.config.block_size
+        self.attention_cls = runner.attention_cls  # the target's attention backend
+        self.model = load_model(path, dtype=runner.dtype, device=runner.device)
+        if runner.config.merge_projections:  # as the target's (notebook 07)
             merge_projections(self.model)
-        block_size = engine.config.block_size
-        self.pool = KVCachePool(mc.num_hidden_layers, engine.num_blocks, block_size,
-                                mc.num_key_value_heads, mc.head_dim, engine.dtype, engine.device)
-        self.block_manager = BlockManager(engine.num_blocks, block_size,
-                                          engine.config.enable_prefix_caching)
+        self.pool = KVCachePool(mc.num_hidden_layers, runner.num_blocks, self.block_size,
+                                mc.num_key_value_heads, mc.head_dim, runner.dtype, runner.device)
+        self.block_manager = BlockManager(runner.num_blocks, self.block_size,
+                                          runner.config.enable_prefix_caching)
         self.states: dict[int, DraftState] = {}
 
-    def release_departed(self, running) -> None:
-        """Free the draft blocks of sequences no longer running (finished or preempted)."""
-        alive = {seq.seq_id for seq in running}
-        for seq_id in [s for s in self.states if s not in alive]:
-            self.release(seq_id)
-
     def release(self, seq_id: int) -> None:
+        """Free a sequence's draft blocks (it finished, failed or was preempted)."""
         state = self.states.pop(seq_id, None)
         if state is not None:
             self.block_manager.free_blocks(state.block_table)
 
-    def _reserve(self, seq, k: int) -> DraftState | None:
+    def _reserve(self, seq: Sequence, k: int) -> DraftState | None:
         """The sequence's draft state with room for its tokens and k - 1 proposals, or None."""
         bm, state = self.block_manager, self.states.get(seq.seq_id)
         if state is None:
@@ -277,7 +280,7 @@ class DraftModelProposer:
         return state
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple]) -> dict[int, list[int]]:
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         """Greedy proposals for ``(seq, k)`` pairs: k draft passes, batched across sequences.
 
         Pass 0 catches the draft cache up on the tokens it has not seen (the whole prompt the
@@ -298,22 +301,26 @@ class DraftModelProposer:
 
     def _forward(self, states: list[DraftState], tokens: list[list[int]]) -> list[int]:
         """Run the draft on each state's new tokens; the argmax after each one's last."""
-        device, block_size = self.engine.device, self.engine.config.block_size
+        device = self.device
         starts = [s.num_computed_tokens for s in states]
         input_ids = [t for ts in tokens for t in ts]
         positions = [p for st, ts in zip(starts, tokens) for p in range(st, st + len(ts))]
         metadata = AttentionMetadata.build([s.block_table for s in states], starts,
-                                           [len(ts) for ts in tokens], block_size, device)
+                                           [len(ts) for ts in tokens], self.block_size, device)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
         hidden = self.model(as_tensor(input_ids), as_tensor(positions),
-                            self.engine.attention_cls(self.pool, metadata))
+                            self.attention_cls(self.pool, metadata))
         last_rows = as_tensor(metadata.query_start_loc[1:]) - 1
         for state, ts in zip(states, tokens):
             state.num_computed_tokens += len(ts)
         return self.model.compute_logits(hidden[last_rows]).argmax(dim=-1).tolist()
 
-    def after_verify(self, seq) -> None:
-        """Roll the draft cache back to what the target kept, and register its full blocks."""
+    def after_verify(self, seq: Sequence) -> None:
+        """Roll the draft cache back to what the target kept, and register its full blocks.
+
+        Called before a sequence's next proposal, once ``Scheduler.update`` has applied the
+        last step: the draft's keys and values are valid for the tokens the target computed
+        (the proposals it fed past those were rejected, or never verified)."""
         state = self.states.get(seq.seq_id)
         if state is None:
             return
@@ -323,231 +330,247 @@ class DraftModelProposer:
                                              state.block_hashes, state.num_computed_tokens)
 
 
+def vocabulary(model_path) -> tuple:
+    """A checkpoint's tokenizer vocabulary, added tokens included (token <-> id)."""
+    data = json.loads(Tokenizer.from_pretrained(model_path).to_str())
+    added = sorted((t["id"], t["content"]) for t in data.get("added_tokens", []))
+    return data["model"].get("vocab"), added
+
+
 class NgramProposer:
     """Prompt lookup over each sequence's own prompt and output (no model, no cache)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def release_departed(self, running) -> None:
+    def release(self, seq_id: int) -> None:
         pass  # nothing kept per sequence
 
-    def release(self, seq_id: int) -> None:
-        pass
-
-    def propose(self, wanted: list[tuple]) -> dict[int, list[int]]:
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
         c = self.config
         return {seq.seq_id: ngram_propose(seq.token_ids, k, c.prompt_lookup_max,
                                           c.prompt_lookup_min) for seq, k in wanted}
 
-    def after_verify(self, seq) -> None:
+    def after_verify(self, seq: Sequence) -> None:
         pass
 
 
-class SpeculativeDecoder:
-    """The engine's speculative step: propose, verify in one target pass, accept, roll back.
+class SpeculativeRunner:
+    """A runner that speculates: propose, verify in one target pass, accept, roll back.
 
-    ``step(plan)`` takes the scheduler's plan for this step and either runs it with
-    speculation (returning the sequences that received tokens) or returns None, and the
-    engine runs its ordinary step (compiled decode included) instead.
+    It wraps the runner ``build_runner`` chose (plain, compiled or tensor parallel) and keeps
+    its contract, ``execute(plan) -> RunnerOutput``; ``LLMEngine`` builds it when
+    ``EngineConfig.speculative_config`` is set (``engine.RUNNER_VARIANTS["speculative"]``).
+    Everything else (``model``, ``pool``, ``num_blocks``, ``decoder``, ``logits_processors``,
+    ``sample``, ``zero_blocks``, ``close`` ...) is the wrapped runner's. Like any runner it
+    reads the sequences and never changes them, but for KV allocation: it grows a
+    speculating sequence's block table for the draft rows and, before it returns, rolls it
+    back past the accepted tokens. ``Scheduler.update`` then counts the accepted drafts as
+    computed and appends the emitted tokens up to the first stop.
     """
 
-    def __init__(self, engine, config: SpeculativeConfig):
-        self.engine = engine
-        self.config = config
-        self.proposer = (DraftModelProposer(engine, config) if config.method == "draft_model"
-                         else NgramProposer(config))
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager,
+                 config: dict | str | SpeculativeConfig | None = None):
+        self.runner, self.block_manager = runner, block_manager
+        # the engine's speculative_config, unless given (a test may wrap a built engine's runner)
+        self.spec_config = c = SpeculativeConfig.parse(
+            runner.config.speculative_config if config is None else config)
+        self.proposer = (DraftModelProposer(runner, c) if c.method == "draft_model"
+                         else NgramProposer(c))
+        self.seqs: dict[int, Sequence] = {}  # the sequences it keeps state for, by seq_id
         self.recent: dict[int, deque[tuple[int, int]]] = {}  # seq_id -> (proposed, accepted)
         self.paused_until: dict[int, int] = {}  # seq_id -> step at which it may propose again
         self.num_steps = 0
 
-    def _num_to_propose(self, seq, n: int) -> int:
+    def __getattr__(self, name: str):
+        if name == "runner":  # not set yet (mid-construction): no endless recursion
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The plan's step, with the drafts of the sequences that speculate.
+
+        No speculation, and the wrapped runner's own ``execute`` (compiled decode included),
+        when the plan schedules ``disable_by_batch_size`` sequences or more (the scheduled
+        ones: a runner does not see the scheduler's running queue, which may hold more) or
+        when nothing is proposed.
+        """
+        self.num_steps += 1
+        self._forget_departed()
+        limit = self.spec_config.disable_by_batch_size
+        drafts = {} if limit is not None and len(plan.scheduled) >= limit else self._drafts(plan)
+        return self._verify(plan, drafts) if drafts else self.runner.execute(plan)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """The engine's word that these sequences finished: their draft blocks go back now."""
+        for seq in seqs:
+            self._forget(seq.seq_id)
+        self.runner.release(seqs)
+
+    def _num_to_propose(self, seq: Sequence, n: int) -> int:
         """How many tokens to propose for a scheduled (seq, n): 0 where speculation cannot
         or should not run (not a decode, min_tokens not reached, near max_tokens, paused)."""
-        e = self.engine
-        if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or e._banned_ids(seq):
+        if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or self.runner.banned_ids(seq):
             return 0
         if seq.params.adjusts_logits or seq.params.structured_outputs is not None:
             return 0  # penalties, biases, bans, grammars: the verify rows do not apply them
         if self.paused_until.get(seq.seq_id, 0) > self.num_steps:
             return 0
-        left = e.max_model_len - seq.num_tokens  # positions the pool may still hold
+        left = self.runner.max_model_len - seq.num_tokens  # positions the pool may still hold
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.config.num_speculative_tokens, left))
+        return max(0, min(self.spec_config.num_speculative_tokens, left))
 
-    def step(self, plan) -> list | None:
-        e, bm = self.engine, self.engine.block_manager
-        self.num_steps += 1
-        self.proposer.release_departed(e.scheduler.running)
-        alive = {seq.seq_id for seq in e.scheduler.running}
-        for seq_id in [s for s in self.recent if s not in alive]:  # finished, aborted, preempted
-            self.recent.pop(seq_id)
-            self.paused_until.pop(seq_id, None)
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(e.scheduler.running) >= limit:
-            return None
+    def _drafts(self, plan: SchedulerOutput) -> dict[int, list[int]]:
+        """seq_id -> its proposal, for the sequences whose draft rows fit this step (blocks
+        grown for them, never preempting; within the step's token budget)."""
         wanted = [(seq, k) for seq, n in plan.scheduled if (k := self._num_to_propose(seq, n))]
-        proposals = self.proposer.propose(wanted) if wanted else {}
-        budget = e.config.max_num_batched_tokens - plan.num_batched_tokens
-        drafts: dict[int, list[int]] = {}
-        for seq, _ in plan.scheduled:  # room for the extra rows: blocks and token budget
+        if not wanted:
+            return {}
+        for seq, _ in wanted:  # the last step is applied now: the draft's KV follows the target
+            self.seqs[seq.seq_id] = seq
+            self.proposer.after_verify(seq)
+        proposals = self.proposer.propose(wanted)
+        bm, drafts = self.block_manager, {}
+        budget = self.runner.config.max_num_batched_tokens - plan.num_batched_tokens
+        for seq, _ in plan.scheduled:
             d = proposals.get(seq.seq_id)
             if d and len(d) <= budget and bm.can_grow(seq.block_table, seq.num_tokens + len(d)):
                 bm.grow(seq.block_table, seq.num_tokens + len(d))
                 drafts[seq.seq_id] = d
                 budget -= len(d)
-        if not drafts:
-            return None
-        return self._verify(plan.scheduled, drafts)
+        return drafts
 
-    @torch.inference_mode()
-    def _verify(self, scheduled, drafts: dict[int, list[int]]) -> list:
-        """One target pass over the plan plus the drafts; accept, roll back, post-process."""
-        e = self.engine
-        logits, sampled_seqs = self._score(scheduled, drafts)  # (rows, V)
-        emitted: dict[int, list[int]] = {}
-        plain, row = [], 0
-        for seq in sampled_seqs:
-            d = drafts.get(seq.seq_id)
-            if d is None:
-                plain.append((seq, row))
-                row += 1
-                continue
-            rows_of_seq, row = logits[row:row + len(d) + 1], row + len(d) + 1
-            if seq.request_id not in e.requests:  # a sibling's failure ended its request
-                continue
-            try:  # a fault here fails this request alone, as in the ordinary step
-                emitted[seq.seq_id] = self._accept(seq, d, rows_of_seq)
-            except Exception as err:  # noqa: BLE001
-                e._fail_request(seq.request_id, err, scrub=isinstance(err, FloatingPointError))
-        sampled = self._sample_plain(plain, logits)
-        progressed = e.scheduler.postprocess(
-            [(s, n) for s, n in scheduled if s.seq_id not in drafts], sampled, e._fail_seq)
-        e.stats.num_generated_tokens += len(progressed)
-        for seq, _ in scheduled:
-            if seq.seq_id in emitted and seq.request_id in e.requests:
-                try:
-                    self._postprocess(seq, drafts[seq.seq_id], emitted[seq.seq_id])
-                except Exception as err:  # noqa: BLE001
-                    e._fail_request(seq.request_id, err)
-                    continue
-                progressed.append(seq)
-        return progressed
-
-    def _score(self, scheduled, drafts: dict[int, list[int]]) -> tuple[torch.Tensor, list]:
-        """The target's logits for every row that samples (a plain decode's one row, a
-        speculating sequence's k + 1), in plan order, and the sequences they belong to."""
-        e = self.engine
-        input_ids, positions, num_new, rows, sampled_seqs, row_tables = [], [], [], [], [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start:start + n] + drafts.get(seq.seq_id, [])
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            num_new.append(len(tokens))
-            row_tables.extend([seq.block_table] * len(tokens))
-            if start < seq.num_prompt_tokens:
-                e.stats.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
-            if start + n == seq.num_tokens:  # it samples: its last row, or all k + 1 rows
-                rows.extend(range(len(input_ids) - len(tokens) + (n - 1), len(input_ids)))
-                sampled_seqs.append(seq)
-        if e.decoder is not None and len(rows) == len(input_ids):
+    def _verify(self, plan: SchedulerOutput, drafts: dict[int, list[int]]) -> RunnerOutput:
+        """One target pass over the plan plus the drafts; accept, sample the others, roll back."""
+        runner = self.runner
+        inputs, sampled, spans, num_sampling = self._inputs(plan, drafts)
+        out = RunnerOutput(counters={
+            "num_prompt_tokens_computed": sum(
+                min(n, s.num_prompt_tokens - s.num_computed_tokens) for s, n in plan.scheduled
+                if s.num_computed_tokens < s.num_prompt_tokens),
+            "num_spec_verifications": 0, "num_spec_proposed_tokens": 0,
+            "num_spec_accepted_tokens": 0})
+        decoder = getattr(runner, "decoder", None)  # notebook 07's compiled decode step
+        if decoder is not None and num_sampling == len(inputs.input_ids):
             # Every row samples, so the step is decodes only (some with drafts). Row i of a
             # speculating sequence is then a decode of its own: its token at position
-            # start + i, a context of start + i + 1. Milestone 7's compiled decode graph runs
-            # the whole verification: each layer writes every row's k/v into the pool before
-            # any row reads, and the context length keeps row i off the drafts after it.
-            batch = DecodeInputs(input_ids, [p + 1 for p in positions], row_tables)
-            return e.decoder.logits(batch), sampled_seqs
-        metadata = AttentionMetadata.build([s.block_table for s, _ in scheduled],
-                                           [s.num_computed_tokens for s, _ in scheduled],
-                                           num_new, e.config.block_size, e.device,
-                                           pad_block=e.num_blocks)  # padding: the scratch block
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=e.device)
-        hidden = e.model(as_tensor(input_ids), as_tensor(positions),
-                         e.attention_cls(e.pool, metadata))
-        return e.model.compute_logits(hidden[as_tensor(rows)]).float(), sampled_seqs
+            # start + i, a context of start + i + 1. The compiled decode graph runs the whole
+            # verification: each layer writes every row's k/v into the pool before any row
+            # reads, and the context length keeps row i off the drafts after it.
+            tables = [t for t, n in zip(inputs.block_tables, inputs.num_new) for _ in range(n)]
+            logits = decoder.logits(DecodeInputs(inputs.input_ids,
+                                                 [p + 1 for p in inputs.positions], tables))
+        else:
+            logits = runner.forward(inputs)  # (rows asked for, V) float32
+        runner.record_prompt_logprobs(spans, logits[num_sampling:], out)
+        row, plain_rows, plain_seqs = 0, [], []
+        for seq in sampled:
+            draft = drafts.get(seq.seq_id)
+            if draft is None:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+                row += 1
+                continue
+            rows, row = logits[row:row + len(draft) + 1], row + len(draft) + 1
+            try:  # a fault here fails this request alone, as a plain row's does
+                tokens = self.accept(seq, draft, rows)
+                entries = self._logprob_entries(seq, tokens, rows)
+            except Exception as err:  # noqa: BLE001 -- FloatingPointError: its KV is scrubbed
+                out.failed[seq.seq_id] = err
+                continue
+            out.token_ids[seq.seq_id] = tokens  # the accepted drafts and one target token
+            if entries is not None:
+                out.logprobs[seq.seq_id] = entries
+            out.counters["num_spec_verifications"] += 1
+            out.counters["num_spec_proposed_tokens"] += len(draft)
+            out.counters["num_spec_accepted_tokens"] += len(tokens) - 1
+            self._track(seq, len(draft), len(tokens) - 1)
+        if plain_seqs:  # the runner's sampler: logits processors, penalties, fault isolation
+            index = torch.tensor(plain_rows, dtype=torch.long, device=logits.device)
+            runner.sample(logits[index], plain_seqs, out)
+        for seq, _ in plan.scheduled:  # keep the blocks of the fed token and accepted drafts
+            if seq.seq_id in out.token_ids and seq.seq_id in drafts:
+                # (a failed one keeps them all: the engine scrubs what may hold NaN, and frees)
+                rollback(self.block_manager, seq.block_table,
+                         seq.num_computed_tokens + len(out.token_ids[seq.seq_id]))
+        return out
 
-    def _sample_plain(self, plain, logits) -> dict[int, int]:
-        """Sequences without a draft sample their one row with the engine's sampler."""
-        if not plain:
-            return {}
-        e = self.engine
-        seqs = [s for s, _ in plain if s.request_id in e.requests]
-        rows = torch.tensor([r for s, r in plain if s.request_id in e.requests],
-                            dtype=torch.long, device=logits.device)
-        logits = logits[rows]
-        if e.structured:  # a plain row with a grammar gets its token mask, as in _run_model
-            e.structured.apply_token_bitmask(logits, seqs)
-        # the engine's sampler with its processors, a fault in one row failing its request
-        return e._sample_rows(e._sample_eager, logits, seqs)
+    def _inputs(self, plan: SchedulerOutput, drafts: dict[int, list[int]]):
+        """The runner's ``ModelInputs`` for the plan, each draft spliced in after its
+        sequence's last token: [last, d1 .. dk], k + 1 rows that all sample.
 
-    def _accept(self, seq, draft: list[int], logits: torch.Tensor) -> list[int]:
-        """The tokens a sequence emits from its k + 1 rows of logits (k + 1, V)."""
-        column = logits[:, 0]  # NaN in a hidden state reaches every logit (see the engine)
+        Returns the inputs, the sampled sequences (in row order), the prompt-logprob spans,
+        and how many of the logits rows sample (the prompt-logprob rows come after them)."""
+        base, sampled, spans = self.runner.prepare_inputs(plan.scheduled)
+        input_ids, positions, num_new, shift = [], [], [], []  # shift: rows inserted before
+        offset = inserted = 0
+        for seq, n in plan.scheduled:
+            d = drafts.get(seq.seq_id, [])
+            end = seq.num_computed_tokens + n
+            input_ids += base.input_ids[offset:offset + n] + d
+            positions += base.positions[offset:offset + n] + list(range(end, end + len(d)))
+            num_new.append(n + len(d))
+            shift += [inserted] * n
+            offset, inserted = offset + n, inserted + len(d)
+        rows = []
+        for seq, old in zip(sampled, base.logits_rows[:len(sampled)]):
+            first = old + shift[old]  # a speculating sequence's draft rows follow its last
+            rows.extend(range(first, first + 1 + len(drafts.get(seq.seq_id, []))))
+        prompt_rows = [old + shift[old] for old in base.logits_rows[len(sampled):]]
+        inputs = ModelInputs(input_ids, positions, base.block_tables, base.num_computed,
+                             num_new, rows + prompt_rows)
+        return inputs, sampled, spans, len(rows)
+
+    # ------------------------------------------------------------------ acceptance
+
+    def accept(self, seq: Sequence, draft: list[int], logits: torch.Tensor) -> list[int]:
+        """The tokens a sequence emits from its k + 1 rows of logits (k + 1, V): the
+        accepted drafts and one token of the target's own. NaN logits raise
+        ``FloatingPointError``. (Every speculating row goes through here: the fault injector
+        of notebook 04 wraps it.)"""
+        column = logits[:, 0]  # NaN in a hidden state reaches every logit (see the runner)
         if bool((column.isnan() | (column == float("inf"))).any()):
             raise FloatingPointError("the model's logits for this request are NaN or infinite")
         if seq.params.is_greedy:
-            tokens = greedy_accept(draft, logits.argmax(dim=-1).tolist())
-        else:
-            probs = target_probs(logits, [seq.params] * logits.shape[0]).cpu()
-            tokens = rejection_sample(draft, probs, None, seq.generator)
-        if seq.params.logprobs is not None:  # the target's logprobs of what is emitted
-            from minivllm.sampling import Sampler
+            return greedy_accept(draft, logits.argmax(dim=-1).tolist())
+        probs = target_probs(logits, [seq.params] * logits.shape[0]).cpu()
+        return rejection_sample(draft, probs, None, seq.generator)
 
-            rows = len(tokens)
-            out = Sampler._logprobs(logits[:rows], torch.tensor(tokens, device=logits.device),
-                                    [seq.params] * rows)
-            self.engine._record_logprobs([seq] * rows, tokens, out)
-        return tokens
+    def _logprob_entries(self, seq: Sequence, tokens: list[int],
+                         logits: torch.Tensor) -> list[dict[int, float]] | None:
+        """The target's logprobs of the emitted tokens, one entry each, where asked for."""
+        if seq.params.logprobs is None:
+            return None
+        rows = len(tokens)
+        result = Sampler.logprobs(logits[:rows], torch.tensor(tokens, device=logits.device),
+                                   [seq.params] * rows)
+        return self.runner.logprob_entries([seq] * rows, tokens, result)
 
-    def _postprocess(self, seq, draft: list[int], tokens: list[int]) -> None:
-        """Append the emitted tokens up to the first stop, roll back the rejected KV."""
-        e, stats = self.engine, self.engine.stats
-        start = seq.num_computed_tokens  # the position of the last token, fed again as row 0
-        reason, count = None, 0
-        for token in tokens:
-            seq.token_ids.append(token)
-            count += 1
-            reason = e.scheduler.check_stop(seq, token)
-            if reason is not None:
-                break
-        if count < len(tokens) and seq.params.logprobs is not None:
-            for dropped in tokens[count:]:
-                seq.cumulative_logprob -= seq.logprobs.pop()[dropped]
-        accepted = len(tokens) - 1
-        # valid KV: the fed last token and the accepted drafts that were also emitted
-        seq.num_computed_tokens = start + 1 + min(accepted, count)
-        rollback(e.block_manager, seq.block_table, seq.num_computed_tokens)
-        e.block_manager.cache_full_blocks(seq.token_ids, seq.block_table, seq.block_hashes,
-                                          seq.num_computed_tokens)
-        self.proposer.after_verify(seq)
-        if reason is not None:
-            e.scheduler.finish(seq, *reason)
-            self.proposer.release(seq.seq_id)
-        stats.num_generated_tokens += count
-        stats.num_spec_verifications += 1
-        stats.num_spec_proposed_tokens += len(draft)
-        stats.num_spec_accepted_tokens += accepted
-        stats.spec_acceptance_rate = (stats.num_spec_accepted_tokens
-                                      / stats.num_spec_proposed_tokens)
-        stats.spec_mean_accepted_length = ((stats.num_spec_accepted_tokens
-                                            + stats.num_spec_verifications)
-                                           / stats.num_spec_verifications)
-        self._track(seq, len(draft), accepted)
+    # ------------------------------------------------------------------ per-sequence state
 
-    def _track(self, seq, proposed: int, accepted: int) -> None:
+    def _track(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Pause a sequence whose recent proposals were mostly rejected."""
-        c = self.config
+        c = self.spec_config
         recent = self.recent.setdefault(seq.seq_id, deque(maxlen=c.acceptance_window))
         recent.append((proposed, accepted))
-        if seq.is_finished:
-            self.recent.pop(seq.seq_id, None)
-            self.paused_until.pop(seq.seq_id, None)
-            return
         if len(recent) == c.acceptance_window:
             rate = sum(a for _, a in recent) / max(1, sum(p for p, _ in recent))
             if rate < c.min_acceptance_rate:
                 self.paused_until[seq.seq_id] = self.num_steps + c.pause_steps
                 recent.clear()
+
+    def _forget_departed(self) -> None:
+        """Drop the state of sequences no longer running (preempted: a finished one was
+        released when it finished)."""
+        for seq_id in [i for i, s in self.seqs.items() if s.status is not SequenceStatus.RUNNING]:
+            self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.recent.pop(seq_id, None)
+        self.paused_until.pop(seq_id, None)
+        self.proposer.release(seq_id)

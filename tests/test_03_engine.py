@@ -14,7 +14,7 @@ from hf_oracle import hf_greedy, hf_logprobs
 from minivllm import LLM, SamplingParams
 from minivllm.kv_cache import BlockManager
 from minivllm.sampling import Sampler, greedy_tokens
-from minivllm.scheduler import Scheduler, Sequence, SequenceStatus
+from minivllm.scheduler import RunnerOutput, Scheduler, Sequence, SequenceStatus
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -259,8 +259,9 @@ def test_scheduler_policy_with_a_mock_model():
         admitted += [s.seq_id for s in plan.admitted if s.num_preemptions == 0]
         held = sum(len(s.block_table) for s in sched.running)
         assert held + bm.num_free_blocks == 10
-        sampled = {s.seq_id: 7 for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}
-        sched.postprocess(plan.scheduled, sampled)
+        sampled = {s.seq_id: [7] for s, n in plan.scheduled
+                   if s.num_computed_tokens + n == s.num_tokens}
+        sched.update(plan, RunnerOutput(token_ids=sampled))
     assert admitted == sorted(admitted), "admission must be first-come-first-served"
     assert preempted_ids, "a 10-block pool must force preemption here"
     assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == 6 for s in seqs)

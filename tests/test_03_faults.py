@@ -108,11 +108,11 @@ def test_nan_inside_the_model_is_scrubbed_from_the_pool(tiny_model, clean):
     def poison(_, inputs, hidden):  # (T, hidden): NaN wherever the marker token is
         return hidden.masked_fill((inputs[0] == poison_id).unsqueeze(-1), float("nan"))
 
-    engine.model.model.embed_tokens.register_forward_hook(poison)
+    engine.runner.model.model.embed_tokens.register_forward_hook(poison)
     final = _run(engine, with_bad=True, bad_at=0)  # admitted first: it owns block 0, where
     # the others' padded block-table entries used to point
     _assert_alone(engine, final, clean, "NaN or infinite")
-    assert torch.isfinite(engine.pool.kv).all()
+    assert torch.isfinite(engine.runner.pool.kv).all()
     again = _run(engine, with_bad=False)  # the scrubbed blocks are reused: still clean
     assert {rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs]
             for rid, out in again.items()} == clean
@@ -133,9 +133,9 @@ def _plant_in_speculative_step(engine: LLMEngine, point: str) -> list:
     """A fault for the poisoned request inside Milestone 8's verify step only: its rows'
     acceptance raises ("sample"), its k + 1 rows of logits are NaN ("nan"), or its stop check
     raises while the accepted tokens are appended ("stop"). Returns the list of hits."""
-    spec, hits = engine.spec, []
+    spec, hits = engine.runner, []
     if point in ("sample", "nan"):
-        accept = spec._accept
+        accept = spec.accept
 
         def planted_accept(seq, draft, logits):
             if seq.request_id == "bad":
@@ -145,24 +145,23 @@ def _plant_in_speculative_step(engine: LLMEngine, point: str) -> list:
                 logits = logits * float("nan")
             return accept(seq, draft, logits)
 
-        spec._accept = planted_accept
+        spec.accept = planted_accept
     else:
-        postprocess, check_stop, inside = spec._postprocess, engine.scheduler.check_stop, []
+        execute, check_stop, verified = spec.execute, engine.scheduler.check_stop, set()
 
         def planted_check(seq, token):
-            if seq.request_id == "bad" and inside:
+            if seq.request_id == "bad" and seq.seq_id in verified:
                 hits.append(point)
                 raise InjectedFault(seq.request_id)
             return check_stop(seq, token)
 
-        def flagged_postprocess(seq, draft, tokens):
-            inside.append(True)
-            try:
-                return postprocess(seq, draft, tokens)
-            finally:
-                inside.pop()
+        def flagged_execute(plan):  # the sequences whose verified draft gave several tokens
+            out = execute(plan)
+            verified.clear()
+            verified.update(sid for sid, tokens in out.token_ids.items() if len(tokens) > 1)
+            return out
 
-        engine.scheduler.check_stop, spec._postprocess = planted_check, flagged_postprocess
+        engine.scheduler.check_stop, spec.execute = planted_check, flagged_execute
     return hits
 
 
@@ -170,7 +169,8 @@ def _plant_in_speculative_step(engine: LLMEngine, point: str) -> list:
 def test_a_fault_in_the_speculative_step_fails_only_its_request(
         tiny_model, clean_speculative, point):
     """The same isolation in Milestone 8's verify step, where speculating rows are accepted
-    by `_accept` and the others sampled by the engine's sampler in the same pass."""
+    by the speculative runner's `accept` and the others sampled by the runner's sampler in
+    the same pass."""
     engine = _engine(tiny_model, speculative=True)
     hits = _plant_in_speculative_step(engine, point)
     final = _run(engine, with_bad=True)

@@ -15,7 +15,8 @@ import torch
 from hf_oracle import hf_greedy
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention import BACKENDS, BatchedAttention, build_group
+from minivllm.attention import BatchedAttention, build_group
+from minivllm.config import ATTENTION_BACKENDS, resolve_qualname
 from minivllm.kv_cache import AttentionMetadata, KVCachePool, PagedAttention
 from minivllm.model import causal_attention
 
@@ -74,7 +75,9 @@ def test_mask_is_causal_with_an_offset_for_chunks_after_cached_tokens():
 
 
 def test_backends_are_selectable():
-    assert set(BACKENDS) >= {"loop", "batched"}
+    """Each backend name resolves to its class (notebook 02's loop, notebook 06's batched)."""
+    assert resolve_qualname(ATTENTION_BACKENDS["batched"]) is BatchedAttention
+    assert resolve_qualname(ATTENTION_BACKENDS["loop"]) is PagedAttention
     with pytest.raises(ValueError):
         LLM(attention_backend="nonsense")
 

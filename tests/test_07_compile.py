@@ -30,10 +30,14 @@ from minivllm.kv_cache import slot_of
 
 
 def test_compiled_engine_is_really_compiled(compiled_random):
+    from minivllm.compile import CompiledRunner
+
     engine = compiled_random.engine
-    assert engine.decoder is not None and engine.compile_seconds > 0
-    assert engine.pool.num_blocks == engine.num_blocks + 1  # the padding rows' scratch block
-    assert engine.decoder.matvec_linears == 0  # float32: the linears keep F.linear
+    runner = engine.runner
+    assert type(runner) is CompiledRunner  # engine.RUNNER_VARIANTS["compiled"]
+    assert runner.decoder is not None and runner.compile_seconds > 0
+    assert runner.pool.num_blocks == engine.num_blocks + 1  # the padding rows' scratch block
+    assert runner.decoder.matvec_linears == 0  # float32: the linears keep F.linear
 
 
 def test_compiled_m3_parity_with_preemption_and_chunking(compiled_random, random_engine_model):
@@ -93,7 +97,7 @@ def test_platform_without_a_compiler_falls_back_to_eager_with_one_warning(
                   compile=True)
     messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
     assert len(messages) == 1 and "running the decode step eagerly" in messages[0]
-    assert llm.engine.decoder is None
+    assert llm.engine.runner.decoder is None
     out = llm.generate({"prompt_token_ids": [1, 2, 3]},
                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(random_engine_model, [1, 2, 3], 5)
@@ -204,10 +208,10 @@ def test_the_engine_passes_single_row_matvec_to_the_compiled_step(random_engine_
                                                                   monkeypatch):
     """Guards: EngineConfig.single_row_matvec (and so --no-single-row-matvec) not reaching
     CompiledDecoder."""
-    import minivllm.engine as engine_module
+    import minivllm.compile as compile_module
 
     seen = []
-    monkeypatch.setattr(engine_module, "try_compile", lambda *args, **kwargs: seen.append(
+    monkeypatch.setattr(compile_module, "try_compile", lambda *args, **kwargs: seen.append(
         (kwargs["single_row_matvec"], kwargs["matvec_kernel"])))
     for option, kernel in ((True, "inductor"), (False, "auto")):
         LLM(str(random_engine_model), block_size=8, num_blocks=8, max_model_len=64,
@@ -229,9 +233,9 @@ def test_matvec_kernel_is_chosen_by_the_cpu():
     assert choose_matvec_kernel("mv", frozenset({"avx512_bf16"}))[0] == "mv"
     assert choose_matvec_kernel("inductor", frozenset({"amx_bf16"}))[0] == "inductor"
     with pytest.raises(ValueError, match="matvec_kernel"):
-        choose_matvec_kernel("mkl")
-    with pytest.raises(ValueError, match="matvec_kernel"):
-        EngineConfig(matvec_kernel="mkl")
+        EngineConfig(matvec_kernel="mkl")  # what the engine is given: checked once, here
+    with pytest.raises(ValueError, match="kernel must be one of"):  # a direct call: there
+        use_matvec_for_single_rows(_two_linears().to(torch.bfloat16), "mkl")
 
 
 @pytest.mark.parametrize("kernel", ["mv", "inductor"])
@@ -322,11 +326,16 @@ def test_the_engine_merges_projections_unless_asked_not_to(random_engine_model):
 
     prompt = {"prompt_token_ids": [7, 70, 170, 270, 9]}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    from minivllm.compile import CompiledRunner
+    from minivllm.runner import ModelRunner
+
     tokens = {}
     for option in (True, False):
         llm = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
                   compile=False, merge_projections=option)
-        attn_cls = type(llm.engine.model.model.layers[0].self_attn)
+        runner = llm.engine.runner  # neither option: notebook 03's runner, as it is
+        assert type(runner) is (CompiledRunner if option else ModelRunner)
+        attn_cls = type(runner.model.model.layers[0].self_attn)
         assert (attn_cls is MergedQKVAttention) == option
         tokens[option] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens[True] == tokens[False] == hf_greedy(random_engine_model, prompt["prompt_token_ids"], 12)

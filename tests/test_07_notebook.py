@@ -88,17 +88,17 @@ MUTANTS = {
         "padding", [("padded_rows = bucket(rows, self.on_cuda, self.min_rows)", "padded_rows = rows")]),
     # 7.3 sample_logits
     "temperature-0 rows sampled instead of argmax": (
-        "sample", [("return torch.where(temperature < 1e-5, greedy, sampled)", "return sampled")]),
+        "sample", [("return torch.where(temperature < GREEDY_EPS, greedy, sampled)", "return sampled")]),
     "noise multiplied instead of divided": (
         "sample", [("(scaled.softmax(dim=-1) / noise)", "(scaled.softmax(dim=-1) * noise)")]),
     "filters before the temperature": (
-        "sample", [(("    scaled = logits / temperature.clamp(min=1e-5).unsqueeze(-1)\n"
+        "sample", [(("    scaled = logits / temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)\n"
                      "    if use_filters:\n"
                      "        scaled = mask_min_p(mask_top_p(mask_top_k(scaled, top_k), top_p), min_p)"),
                     ("    scaled = logits\n"
                      "    if use_filters:\n"
                      "        scaled = mask_min_p(mask_top_p(mask_top_k(scaled, top_k), top_p), min_p)\n"
-                     "    scaled = scaled / temperature.clamp(min=1e-5).unsqueeze(-1)"))]),
+                     "    scaled = scaled / temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)"))]),
     "filters ignored": ("sample", [("    if use_filters:\n        scaled", "    if False:\n        scaled")]),
 }
 

@@ -25,6 +25,7 @@ from minivllm.course import checks_08
 from minivllm.kv_cache import BlockManager
 from minivllm.spec_decode import (
     SpeculativeConfig,
+    SpeculativeRunner,
     greedy_accept,
     ngram_propose,
     rejection_sample,
@@ -191,8 +192,10 @@ def test_draft_model_equal_to_the_target_accepts_everything(baseline_ids):
     assert token_ids(llm) == baseline_ids
     stats = llm.engine.stats
     assert stats.spec_acceptance_rate == 1.0 and stats.spec_mean_accepted_length > 3
-    assert llm.engine.spec.proposer.states == {}  # draft blocks freed with the sequences
-    assert llm.engine.spec.proposer.block_manager.num_free_blocks == llm.engine.num_blocks
+    runner = llm.engine.runner
+    assert isinstance(runner, SpeculativeRunner) and runner.model is runner.runner.model
+    assert runner.proposer.states == {}  # draft blocks freed with the sequences
+    assert runner.proposer.block_manager.num_free_blocks == llm.engine.num_blocks
 
 
 @pytest.mark.parametrize("k", [1, 5])
@@ -268,6 +271,32 @@ def test_streaming_deltas_add_up_and_may_carry_several_tokens():
     assert (text, ids) == (c.text, c.token_ids) and widest > 1
 
 
+def test_prompt_logprobs_of_a_prefill_in_a_verification_step(baseline):
+    """A prompt chunk that runs in the same pass as a verification keeps its prompt
+    logprobs (the draft rows spliced in before it shift its rows)."""
+    llm = LLM(TINY_MODEL, speculative_config=ngram(3), **OPTIONS)
+    engine, stats = llm.engine, llm.engine.stats
+    engine.add_request("a", PROMPTS[1], GREEDY)
+    engine.step()  # a's prefill
+    a = engine.requests["a"].seqs[0]
+    while not ngram_propose(a.token_ids, 3, 4, 1):  # until a proposes in the next step
+        engine.step()
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    engine.add_request("b", PROMPTS[3], params)
+    before = stats.num_spec_verifications
+    final = {out.request_id: out for out in engine.step() if out.finished}  # b's prefill
+    assert stats.num_spec_verifications > before, "b's prefill ran without a verification"
+    while engine.has_unfinished_requests():
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    want = baseline.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    got = final["b"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_logprobs[0] is None and want.prompt_logprobs[0] is None
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    for g, w in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert list(g) == list(w) and list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
+
+
 def test_the_prefix_cache_never_serves_a_rejected_tokens_keys(baseline):
     """Continue each finished sequence (prompt + output as a new prompt): its blocks are
     prefix hits, and a block registered with a rejected token's keys would change the text."""
@@ -279,13 +308,21 @@ def test_the_prefix_cache_never_serves_a_rejected_tokens_keys(baseline):
     assert llm.engine.stats.num_prefix_cached_tokens > hits_before
 
 
+def _count_ordinary_steps(monkeypatch, llm: LLM, calls: list) -> None:
+    """Count the steps that the wrapped runner's own ``execute`` runs."""
+    wrapped = llm.engine.runner.runner
+    original = wrapped.execute
+    monkeypatch.setattr(wrapped, "execute",
+                        lambda plan: calls.append(len(plan.scheduled)) or original(plan))
+
+
 def test_large_batches_and_no_match_take_the_ordinary_path(monkeypatch):
-    """At disable_by_batch_size running sequences, and when no proposal fits, every step goes
-    through the engine's own `_run_model` (the compiled decode step where compiling is on)."""
+    """At disable_by_batch_size scheduled sequences, and when no proposal fits, every step
+    goes through the wrapped runner's own `execute` (the compiled decode step where compiling
+    is on)."""
     llm = LLM(TINY_MODEL, speculative_config=ngram(3, disable_by_batch_size=2), **OPTIONS)
     calls = []
-    original = llm.engine._run_model
-    monkeypatch.setattr(llm.engine, "_run_model", lambda s: calls.append(len(s)) or original(s))
+    _count_ordinary_steps(monkeypatch, llm, calls)
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert llm.engine.stats.num_spec_proposed_tokens == 0
     assert len(calls) == llm.engine.stats.num_steps
@@ -293,11 +330,37 @@ def test_large_batches_and_no_match_take_the_ordinary_path(monkeypatch):
     llm = LLM(TINY_MODEL, speculative_config=ngram(3, prompt_lookup_min=5, prompt_lookup_max=5),
               **OPTIONS)
     calls.clear()
-    original = llm.engine._run_model
-    monkeypatch.setattr(llm.engine, "_run_model", lambda s: calls.append(len(s)) or original(s))
+    _count_ordinary_steps(monkeypatch, llm, calls)
     llm.generate({"prompt_token_ids": list(range(10, 30))},
                  SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert llm.engine.stats.num_spec_proposed_tokens == 0 and len(calls) == 3
+
+
+def test_nan_logits_in_a_verification_scrub_the_draft_rows_blocks_too(monkeypatch):
+    """A request whose verification logits are NaN fails alone, and every block its table
+    held in that step, those grown for its draft rows included (the same pass wrote their
+    keys and values), is zeroed before it goes back to the pool."""
+    llm = LLM(TINY_MODEL, speculative_config=ngram(5), **OPTIONS)
+    engine, runner = llm.engine, llm.engine.runner
+    tables, needed, zeroed = [], [], []
+    accept, zero_blocks = runner.accept, runner.runner.zero_blocks
+
+    def nan_accept(seq, draft, logits):
+        tables.append(list(seq.block_table))
+        needed.append(engine.block_manager.blocks_needed(seq.num_computed_tokens + 1))
+        return accept(seq, draft, logits * float("nan"))
+
+    monkeypatch.setattr(runner, "accept", nan_accept)
+    monkeypatch.setattr(runner.runner, "zero_blocks",
+                        lambda ids: zeroed.extend(ids) or zero_blocks(ids))
+    engine.add_request("r", PROMPTS[1], GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and "NaN" in outs[-1].error
+    assert len(tables) == 1 and len(tables[0]) > needed[0]  # it had draft blocks
+    assert set(tables[0]) <= set(zeroed)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
 def test_low_acceptance_pauses_a_sequence(seeded_draft):
@@ -324,6 +387,7 @@ def test_a_bench_variant_and_the_server_flag_carry_a_speculative_config():
     from minivllm.bench.engines import parse_engine_spec
     from minivllm.bench.harness import stats_delta
     from minivllm.bench.servers import serve_flags
+    from minivllm.engine import LLMEngine
     from minivllm.server.cli import engine_config, parse_args
 
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -332,9 +396,10 @@ def test_a_bench_variant_and_the_server_flag_carry_a_speculative_config():
     assert (name, options) == ("minivllm", {"compile": False, "speculative_config": spec})
     flags = serve_flags({"speculative_config": spec})
     assert engine_config(parse_args(flags)).speculative_config == json.dumps(spec)
-    with pytest.raises(ValueError, match="unknown speculative method"):
-        bad = '{"method": "eagle", "num_speculative_tokens": 2}'
-        engine_config(parse_args(["--speculative-config", bad]))
+    bad = '{"method": "eagle", "num_speculative_tokens": 2}'
+    config = engine_config(parse_args(["--speculative-config", bad, "--no-compile"]))
+    with pytest.raises(ValueError, match="unknown speculative method"):  # at start-up
+        LLMEngine(config)
     delta = stats_delta({"num_spec_proposed_tokens": 4, "num_spec_accepted_tokens": 2,
                          "num_spec_verifications": 2},
                         {"num_spec_proposed_tokens": 14, "num_spec_accepted_tokens": 10,
@@ -350,16 +415,17 @@ def test_compiled_verification_is_exact_and_never_recompiles(compiled_random, ra
     new graph; steps with a prefill chunk keep the eager pass."""
     from torch._dynamo.utils import counters
 
-    from minivllm.spec_decode import SpeculativeDecoder
-
     engine = compiled_random.engine
-    monkeypatch.setattr(engine, "spec", SpeculativeDecoder(engine, SpeculativeConfig.parse(
-        ngram(3, prompt_lookup_min=1))))
+    wrapped = engine.runner
+    monkeypatch.setattr(engine, "runner", SpeculativeRunner(wrapped, engine.block_manager,
+                                                            ngram(3, prompt_lookup_min=1)))
     compiled_rows, eager_passes = [], []
-    logits, attention = engine.decoder.logits, engine.attention_cls
-    monkeypatch.setattr(engine.decoder, "logits",
+    decoder = engine.runner.decoder
+    assert decoder is not None and decoder is wrapped.decoder
+    logits, attention = decoder.logits, wrapped.attention_cls
+    monkeypatch.setattr(decoder, "logits",
                         lambda batch: compiled_rows.append(len(batch.input_ids)) or logits(batch))
-    monkeypatch.setattr(engine, "attention_cls",  # built by every eager pass, never compiled
+    monkeypatch.setattr(wrapped, "attention_cls",  # built by every eager pass, never compiled
                         lambda *a: eager_passes.append(1) or attention(*a))
     # repeated spans: the random model's greedy text loops, so the n-gram lookup keeps hitting
     prompts = [[11, 12, 13, 14] * 3, [40, 41, 42] * 4 + [40], [300, 301] * 5, [7, 8, 9] * 4]

@@ -39,12 +39,18 @@ from minivllm.config import ModelConfig
 from minivllm.course.checks_09 import run_ranks
 from minivllm.model import ContiguousKVCache, QwenForCausalLM, load_model
 from minivllm.parallel import (
+    FORWARD,
+    HEADER,
     TensorParallelError,
+    TensorParallelRunner,
     TPGroup,
     check_tp_split,
+    decode_inputs,
+    encode_inputs,
     load_sharded_model,
     weight_bytes,
 )
+from minivllm.runner import ModelInputs, ModelRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -92,7 +98,7 @@ def checkpoint(tmp_path_factory):
 
 
 def worker_pids(llm: LLM) -> list[int]:
-    return [p.pid for p in llm.engine.model.workers]
+    return [p.pid for p in llm.engine.runner.workers]
 
 
 def assert_gone(pids: list[int], timeout: float = 15.0) -> None:
@@ -123,7 +129,21 @@ def test_bad_split_is_refused_naming_heads_and_sizes():
 def test_tp1_keeps_the_plain_model():
     llm = LLM(TINY_MODEL, dtype="float32", device="cpu", compile=False, num_blocks=8,
               max_model_len=128)
-    assert type(llm.engine.model) is QwenForCausalLM
+    assert isinstance(llm.engine.runner, ModelRunner)
+    assert not isinstance(llm.engine.runner, TensorParallelRunner)
+    assert type(llm.engine.runner.model) is QwenForCausalLM
+
+
+@pytest.mark.parametrize("logits_rows", [[0, 3], []])
+def test_model_inputs_travel_whole(logits_rows):
+    """What rank 0 broadcasts decodes to the very ModelInputs its runner got (a step without
+    logits rows too: then no rank computes logits)."""
+    step = ModelInputs([812, 11, 12, 13, 14], [20, 0, 1, 2, 3], [[3, 7], [5], []], [20, 0, 0],
+                       [1, 3, 1], logits_rows)
+    header, payload = encode_inputs(step, num_blocks=64)
+    assert header[0] == FORWARD and len(header) == HEADER and header[-1] == 64
+    assert payload.dtype == torch.long
+    assert decode_inputs(header, payload) == step
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -171,14 +191,17 @@ def test_sharded_forward_equals_the_whole_model(world):
 # ----------------------------------------------------------------------------- real engines
 
 @pytest.mark.parametrize(("name", "world"), [(None, 4), ("qwen3", 2), ("qwen2_tied_kv1", 2)])
-def test_tp_equals_tp1_and_transformers(checkpoint, name, world):
+def test_tp_equals_tp1_and_transformers(checkpoint, name, world, caplog):
     path = TINY_MODEL if name is None else str(checkpoint(name))
     vocab = ModelConfig.from_pretrained(path).vocab_size
     batch = prompts(3, 12, seed=world, vocab=vocab)
     options = {"dtype": "float32", "device": "cpu", "compile": False, "num_blocks": 32,
                "max_model_len": 128}
     ref = token_ids(LLM(path, **options).generate(batch, GREEDY, use_tqdm=False))
-    llm = LLM(path, tensor_parallel_size=world, **options)
+    with caplog.at_level("INFO", logger="minivllm.parallel"):  # compile asked: TP runs eagerly
+        llm = LLM(path, tensor_parallel_size=world, **{**options, "compile": True})
+    assert type(llm.engine.runner) is TensorParallelRunner
+    assert "tensor parallel: the decode step runs eagerly (not compiled)" in caplog.text
     pids = worker_pids(llm)
     try:
         assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False)) == ref
@@ -196,7 +219,7 @@ def test_process_exit_leaves_no_worker():
         if __name__ == "__main__":
             llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32",
                       device="cpu", compile=False, num_blocks=8, max_model_len=128)
-            print(*[p.pid for p in llm.engine.model.workers], flush=True)
+            print(*[p.pid for p in llm.engine.runner.workers], flush=True)
     """)
     run = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                          timeout=180, env={**os.environ, "MINIVLLM_TP_TIMEOUT": "60"})
@@ -216,14 +239,14 @@ def test_torchrun_launch(tmp_path):
         from minivllm import LLM, SamplingParams
         llm = LLM({str(TINY_MODEL)!r}, tensor_parallel_size=2, dtype="float32", device="cpu",
                   compile=False, num_blocks=16, max_model_len=128)
-        assert os.environ["RANK"] == "0" and not llm.engine.model.workers
+        assert os.environ["RANK"] == "0" and not llm.engine.runner.workers
         out = llm.generate([{{"prompt_token_ids": [5, 6, 7, 8]}}],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         print("tokens", *out[0].outputs[0].token_ids, flush=True)
         gloo = lambda: [t for t in os.listdir("/proc/self/task")
                         if open(f"/proc/self/task/{{t}}/comm").read().startswith(("gloo", "pt_gloo"))]
         assert gloo(), "expected gloo threads while the group is up"
-        llm.engine.model.close()
+        llm.engine.runner.close()
         assert not gloo(), "close() left gloo threads running (they abort the exit)"
         print("closed", flush=True)
     """))
@@ -259,7 +282,7 @@ def shared_prefix_prompts() -> list[dict]:
 def tiny_tp2():
     llm = LLM(TINY_MODEL, tensor_parallel_size=2, **TIGHT)
     yield llm
-    llm.engine.model.close()
+    llm.engine.runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -286,10 +309,10 @@ def test_tp2_equals_tp1_and_transformers_under_pressure(tiny_tp2, tiny_tp1):
 
 
 def test_tp2_memory_per_rank_is_half(tiny_tp2):
-    sizes = tiny_tp2.engine.model.weight_bytes_per_rank
+    sizes = tiny_tp2.engine.runner.weight_bytes_per_rank
     total = weight_bytes(load_model(TINY_MODEL, torch.float32))
     assert len(sizes) == 2 and all(s < total / 2 * 1.02 for s in sizes), (sizes, total)
-    assert tiny_tp2.engine.pool.kv.shape[3] == 1  # of the model's 2 KV heads
+    assert tiny_tp2.engine.runner.pool.kv.shape[3] == 1  # of the model's 2 KV heads
 
 
 def test_killed_worker_fails_the_engine_clearly(tiny_tp2):

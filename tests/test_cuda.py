@@ -72,7 +72,7 @@ def test_cuda_graphs_replay_and_match_eager(tiny_model):
 
     eager = LLM(str(tiny_model), compile=False, **OPTIONS)
     compiled = LLM(str(tiny_model), compile=True, **OPTIONS)
-    assert compiled.engine.decoder is not None and compiled.engine.decoder.on_cuda
+    assert compiled.engine.runner.decoder is not None and compiled.engine.runner.decoder.on_cuda
     prompts = _prompts(12, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True)
               for i in range(len(prompts))]

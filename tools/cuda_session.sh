@@ -67,7 +67,7 @@ if __name__ == "__main__":
     tp1 = [o.outputs[0].token_ids for o in LLM(TINY_MODEL, **opts).generate(prompts, p)]
     llm = LLM(TINY_MODEL, tensor_parallel_size=2, **opts)
     tp2 = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
-    print("weights per rank (bytes):", llm.engine.model.weight_bytes_per_rank)
+    print("weights per rank (bytes):", llm.engine.runner.weight_bytes_per_rank)
     print("TP=2 == TP=1 greedy on CUDA:", tp2 == tp1)
     assert tp2 == tp1
 PY

@@ -72,11 +72,11 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, **side_a_options(args))  # side A: F.linear
     engine = llm.engine
-    plain = engine.decoder
+    plain = engine.runner.decoder
     if plain is None:
         raise SystemExit("this needs the compiled decode step (MINIVLLM_COMPILE is off)")
-    model = copy.deepcopy(engine.model)  # side B: the same weights, linears swapped
-    with_matvec = CompiledDecoder(model, engine.pool.kv, engine.config.block_size,
+    model = copy.deepcopy(engine.runner.model)  # side B: the same weights, linears swapped
+    with_matvec = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
                                   engine.num_blocks, engine.device, single_row_matvec=True,
                                   matvec_kernel=args.kernel)
     if with_matvec.matvec_linears == 0:
@@ -116,14 +116,15 @@ def engine_level(args: argparse.Namespace) -> None:
 
     llms = {"with": LLM(args.model, dtype=args.dtype, matvec_kernel=args.kernel),
             "without": LLM(args.model, dtype=args.dtype, **side_a_options(args))}
-    if llms["with"].engine.decoder is None or llms["with"].engine.decoder.matvec_linears == 0:
+    decoder = llms["with"].engine.runner.decoder
+    if decoder is None or decoder.matvec_linears == 0:
         raise SystemExit(f"nothing to compare: a compiled {args.dtype} model on a CPU is needed")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(1000, 1128))}
     calls: dict[str, list[float]] = {"with": [], "without": []}
     for name, llm in llms.items():
         llm.generate([prompt], params, use_tqdm=False)  # warm: first request of each engine
-        decoder = llm.engine.decoder
+        decoder = llm.engine.runner.decoder
         untimed = decoder.logits
 
         def timed(batch, untimed=untimed, name=name):  # the compiled call inside the engine

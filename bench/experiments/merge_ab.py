@@ -38,13 +38,13 @@ def summary(label: str, times: dict[str, list[float]]) -> str:
 def step_level(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype=args.dtype, merge_projections=False)  # side A: separate
     engine = llm.engine
-    separate = engine.decoder
+    separate = engine.runner.decoder
     if separate is None:
         raise SystemExit("this needs the compiled decode step (MINIVLLM_COMPILE is off)")
-    model = copy.deepcopy(engine.model)
+    model = copy.deepcopy(engine.runner.model)
     saved = merge_projections(model)
-    merged = CompiledDecoder(model, engine.pool.kv, engine.config.block_size, engine.num_blocks,
-                             engine.device, engine.config.single_row_matvec)
+    merged = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
+                             engine.num_blocks, engine.device, engine.config.single_row_matvec)
     print(f"merged side: {saved} fewer matmuls per step; compiled in "
           f"{merged.warmup(engine.model_config.vocab_size):.0f} s", flush=True)
     bs = engine.config.block_size
@@ -66,7 +66,7 @@ def prefill_level(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype=args.dtype, compile=False, enable_prefix_caching=False,
               merge_projections=False)
     engine = llm.engine
-    models = {"separate": engine.model, "merged": copy.deepcopy(engine.model)}
+    models = {"separate": engine.runner.model, "merged": copy.deepcopy(engine.runner.model)}
     merge_projections(models["merged"])
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     calls = iter(range(1, 10**9))
@@ -75,7 +75,7 @@ def prefill_level(args: argparse.Namespace) -> None:
             raise SystemExit(f"{n} prompts of {args.prompt_len} tokens need more than one step")
 
         def run(model, n=n, k=None):  # n prompts, fresh each call unless k is given
-            engine.model = model
+            engine.runner.model = model
             k = next(calls) if k is None else k
             prompts = [{"prompt_token_ids": [100 + (13 * k + 7 * i + j) % 5000
                                              for j in range(args.prompt_len)]} for i in range(n)]

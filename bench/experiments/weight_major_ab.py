@@ -92,14 +92,14 @@ def main() -> None:
 
     llm = LLM(args.model, dtype="bfloat16")  # side A: the default compiled step
     engine = llm.engine
-    plain = engine.decoder
+    plain = engine.runner.decoder
     if plain is None or plain.matvec_linears == 0:
         raise SystemExit("this needs the compiled decode step of a bf16 model on a CPU")
-    model = copy.deepcopy(engine.model)  # side B: the same weights, linears swapped
+    model = copy.deepcopy(engine.runner.model)  # side B: the same weights, linears swapped
     for module in model.modules():
         if type(module) in (nn.Linear, SingleRowLinear):
             module.__class__ = WeightMajorLinear
-    weight_major = CompiledDecoder(model, engine.pool.kv, engine.config.block_size,
+    weight_major = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
                                    engine.num_blocks, engine.device)
     print(f"compiled side B in {weight_major.warmup(engine.model_config.vocab_size):.0f} s")
     blocks = -(-args.context // engine.config.block_size)

@@ -272,15 +272,16 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
         info = {"device": device, "dtype": str(engine.dtype).removeprefix("torch."),
                 "engine_options": dataclasses.asdict(engine.config),
                 "attention_backend": engine.config.attention_backend,
-                "compile": getattr(engine, "decoder", None) is not None,  # as resolved (M7)
-                "compile_seconds": getattr(engine, "compile_seconds", 0.0),
+                # as resolved: a compiled runner (M7) has a decoder, another runner none
+                "compile": getattr(engine.runner, "decoder", None) is not None,
+                "compile_seconds": getattr(engine.runner, "compile_seconds", 0.0),
                 "num_kv_blocks": engine.num_blocks}
         info["sampling"] = opts.sampling  # extra SamplingParams fields, if any
         if engine.config.tensor_parallel_size > 1:  # Milestone 9: what each rank holds
             import psutil
 
-            ranks = [os.getpid(), *(p.pid for p in engine.model.workers)]
-            info |= {"weight_bytes_per_rank": engine.model.weight_bytes_per_rank,
+            ranks = [os.getpid(), *(p.pid for p in engine.runner.workers)]
+            info |= {"weight_bytes_per_rank": engine.runner.weight_bytes_per_rank,
                      "rss_bytes_per_rank_loaded": [psutil.Process(pid).memory_info().rss
                                                    for pid in ranks]}
         yield Session(lambda reqs, c, cb: drive_closed_loop(engine, reqs, c, on_finish=cb,

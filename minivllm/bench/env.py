@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from minivllm.config import NATIVE_BF16_FLAGS, isa_caps
+from minivllm.config import NATIVE_BF16_FLAGS, cpu_flags, isa_caps, parse_cpuinfo, read_cpuinfo
 
 BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
 
@@ -190,24 +190,11 @@ BF16_FLAGS = NATIVE_BF16_FLAGS  # the rule dtype="auto" follows, so the record s
 
 def cpu_features(cpuinfo: str | None = None) -> dict:
     """The CPU's model name, which of ``CPU_FLAGS`` it has, and whether it executes bf16
-    natively, from ``/proc/cpuinfo`` (``lscpu`` where that is missing; both write
-    ``model name: ...`` and ``flags: ...`` lines, Arm writes ``Features``)."""
+    natively: this machine's (the flags ``dtype="auto"`` reads, ``config.cpu_flags``), or
+    those ``cpuinfo`` text describes (``config.parse_cpuinfo``, the same parser)."""
+    name, flags = parse_cpuinfo(read_cpuinfo() if cpuinfo is None else cpuinfo)
     if cpuinfo is None:
-        with contextlib.suppress(OSError):
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-    if cpuinfo is None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            cpuinfo = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                                     check=True).stdout
-    name, flags = None, None
-    for line in (cpuinfo or "").splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key == "model name" and name is None:
-            name = value.strip()
-        elif key in ("flags", "features") and flags is None:
-            flags = set(value.split())
-    flags = flags or set()
+        flags = cpu_flags()
     return {"model_name": name or platform.processor() or platform.machine(),
             "flags": [f for f in CPU_FLAGS if f in flags],
             "native_bf16": any(f in flags for f in BF16_FLAGS)}

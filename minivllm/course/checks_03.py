@@ -63,6 +63,8 @@ def _plan_summary(plan, with_cached: bool = False):
 
 def _run_scheduler(sched, seqs, bm, *, num_blocks: int, sharing: bool, trace, with_cached=False):
     """Drive ``sched`` with a stand-in model, checking the invariants at every step."""
+    from minivllm.scheduler import RunnerOutput
+
     what = "Exercise 3.1 (Scheduler.schedule)"
     first_admitted: list[int] = []
     for step, expected in enumerate(trace + [None] * 3):
@@ -115,9 +117,9 @@ def _run_scheduler(sched, seqs, bm, *, num_blocks: int, sharing: bool, trace, wi
                     "a preempted sequence must give its blocks back (self._preempt)")
         assert_equal(_plan_summary(plan, with_cached), expected, what=f"{what}, {where} "
                      "([(seq, new tokens)], [preempted], [admitted])")
-        sampled = {s.seq_id: 7 for s, n in plan.scheduled
+        sampled = {s.seq_id: [7] for s, n in plan.scheduled
                    if s.num_computed_tokens + n == s.num_tokens}
-        sched.postprocess(plan.scheduled, sampled)
+        sched.update(plan, RunnerOutput(token_ids=sampled))
     require(first_admitted == sorted(first_admitted), what,
             f"first admissions in the order {first_admitted}: not first-come-first-served")
     require(all(s.is_finished for s in seqs), what, "not every sequence finished")
@@ -483,7 +485,7 @@ def check_engine(LLMEngine, Scheduler, Sequence, Sampler, model: str | None = No
     engine.scheduler = Scheduler(engine.block_manager, config.max_num_seqs,
                                  config.max_num_batched_tokens, engine.max_model_len,
                                  engine.eos_token_ids)
-    engine.sampler = Sampler()
+    engine.runner.sampler = Sampler()
     vocab = min(engine.model_config.vocab_size, 1000)
     lengths, rng = [30, 20, 23, 23, 5, 18], random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

@@ -261,7 +261,7 @@ def check_engine_parity(BatchedAttention, model: str,
         seen["mixed"] += 1 in q_lens and any(n > 1 for n in q_lens)
         return BatchedAttention(pool, md)
 
-    engine.attention_cls = backend
+    engine.runner.attention_cls = backend
     vocab = min(engine.model_config.vocab_size, 1000)
     rng = random.Random(60)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

@@ -17,7 +17,7 @@ import signal
 
 import uvicorn
 
-from minivllm.config import MATVEC_KERNELS, EngineConfig
+from minivllm.config import ATTENTION_BACKENDS, MATVEC_KERNELS, EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.server.app import build_app
 from minivllm.server.engine_thread import AsyncEngine
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="the same as --no-enable-prefix-caching")
     p.add_argument("--attention-backend", default=engine.attention_backend,
-                   choices=["batched", "loop"])
+                   choices=list(ATTENTION_BACKENDS))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=engine.compile,
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,

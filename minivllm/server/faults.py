@@ -61,33 +61,47 @@ def inject_faults(engine: LLMEngine, spec: str) -> None:
             if is_poisoned(seq):
                 raise InjectedFault(seq.request_id)
 
+    # Each fault wraps a public method of the engine's parts: the runner's execute (the whole
+    # step) and sample (its rows), a speculative runner's accept (notebook 08: a speculating
+    # row's tokens), the scheduler's check_stop, the output processor's add_token.
+    runner = engine.runner
+    base = getattr(runner, "runner", runner)  # a wrapping runner (speculative) holds the base
+    accepts = getattr(runner, "accept", None)
     if point == "model":
-        run_model = engine._run_model
+        execute = runner.execute
 
-        def run_model_or_fail(scheduled):
-            fail_if_poisoned([seq for seq, _ in scheduled])
-            return run_model(scheduled)
+        def execute_or_fail(plan):
+            fail_if_poisoned([seq for seq, _ in plan.scheduled])
+            return execute(plan)
 
-        engine._run_model = run_model_or_fail
-    elif point == "sample":
-        sample_isolating = engine._sample_isolating_faults
+        runner.execute = execute_or_fail
+    elif point in ("sample", "nan"):
+        sample = base.sample
 
-        def sample_isolating_with_fault(sample, logits, seqs):
+        def sample_with_fault(logits, seqs, out, sample_logits=None):
+            if point == "nan":  # the poisoned rows' logits are NaN
+                bad = [row for row, seq in enumerate(seqs) if is_poisoned(seq)]
+                if bad:
+                    logits = logits.clone()
+                    logits[bad] = float("nan")
+                return sample(logits, seqs, out, sample_logits)
+            inner = sample_logits or base.sample_logits
+
             def sample_or_fail(logits, seqs):
                 fail_if_poisoned(seqs)
-                return sample(logits, seqs)
+                return inner(logits, seqs)
 
-            return sample_isolating(sample_or_fail, logits, seqs)
+            return sample(logits, seqs, out, sample_or_fail)
 
-        engine._sample_isolating_faults = sample_isolating_with_fault
-        if engine.spec is not None:  # Milestone 8: a speculating row is sampled by _accept
-            accept = engine.spec._accept
-
-            def accept_or_fail(seq, draft, logits):
+        base.sample = sample_with_fault
+        if accepts is not None:
+            def accept_with_fault(seq, draft, logits):
+                if point == "nan":
+                    return accepts(seq, draft, logits * float("nan") if is_poisoned(seq) else logits)
                 fail_if_poisoned([seq])
-                return accept(seq, draft, logits)
+                return accepts(seq, draft, logits)
 
-            engine.spec._accept = accept_or_fail
+            runner.accept = accept_with_fault
     elif point == "stop":
         check_stop = engine.scheduler.check_stop
 
@@ -96,32 +110,14 @@ def inject_faults(engine: LLMEngine, spec: str) -> None:
             return check_stop(seq, token)
 
         engine.scheduler.check_stop = check_stop_or_fail
-    elif point == "detokenize":
-        update_text = engine._update_text
+    else:  # detokenize: turning its new token into text raises
+        add_token = engine.outputs.add_token
 
-        def update_text_or_fail(seq):
+        def add_token_or_fail(seq, token, finishing):
             fail_if_poisoned([seq])
-            return update_text(seq)
+            return add_token(seq, token, finishing)
 
-        engine._update_text = update_text_or_fail
-    else:  # nan: the poisoned request's logits are NaN
-        sample_isolating = engine._sample_isolating_faults
-
-        def poison_rows(sample, logits, seqs):
-            bad = [row for row, seq in enumerate(seqs) if is_poisoned(seq)]
-            if bad:
-                logits = logits.clone()
-                logits[bad] = float("nan")
-            return sample_isolating(sample, logits, seqs)
-
-        engine._sample_isolating_faults = poison_rows
-        if engine.spec is not None:  # Milestone 8: a speculating row's logits go to _accept
-            accept = engine.spec._accept
-
-            def accept_poisoned(seq, draft, logits):
-                return accept(seq, draft, logits * float("nan") if is_poisoned(seq) else logits)
-
-            engine.spec._accept = accept_poisoned
+        engine.outputs.add_token = add_token_or_fail
 
 
 def hold_while(engine: LLMEngine, path: str) -> None:
