@@ -43,7 +43,7 @@ from torch import nn
 from minivllm.attention import attend_decode, gather_blocks
 from minivllm.config import MATVEC_KERNELS, cpu_flags
 from minivllm.model import MLP, Attention
-from minivllm.runner import ModelRunner
+from minivllm.runner import ModelRunner, num_prompt_tokens
 from minivllm.sampling import (
     GREEDY_EPS,
     Sampler,
@@ -426,8 +426,8 @@ class CompiledRunner(ModelRunner):
         seqs = [s for s, _ in plan.scheduled]
         batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
                              [s.block_table for s in seqs])
-        out = RunnerOutput(counters={"num_prompt_tokens_computed": sum(  # a prompt's last token
-            1 for s in seqs if s.num_computed_tokens < s.num_prompt_tokens)})
+        out = RunnerOutput(counters={  # a "decode" may be a prompt's last token
+            "num_prompt_tokens_computed": num_prompt_tokens(plan.scheduled)})
         self.sample(self.decoder.logits(batch), seqs, out, sample_logits=self._sample_compiled)
         return out
 

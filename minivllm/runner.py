@@ -44,6 +44,18 @@ from minivllm.scheduler import RunnerOutput, SchedulerOutput, Sequence
 logger = logging.getLogger("minivllm.engine")  # the start-up lines are the engine's
 
 SampleFn = Callable[[torch.Tensor, list[Sequence]], SamplerOutput]  # (B, V) logits -> tokens
+NOT_FINITE = "the model's logits for this request are NaN or infinite"
+
+
+def not_finite(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise NaN or +inf (-inf is fine: a grammar's token mask writes it)."""
+    return x.isnan() | (x == float("inf"))
+
+
+def num_prompt_tokens(scheduled: list[tuple[Sequence, int]]) -> int:
+    """How many of a plan's new tokens are prompt tokens (EngineStats counts them)."""
+    return sum(min(n, s.num_prompt_tokens - s.num_computed_tokens) for s, n in scheduled
+               if s.num_computed_tokens < s.num_prompt_tokens)
 
 
 @dataclass
@@ -131,9 +143,8 @@ class ModelRunner:
         """Run the plan's flat batch through the model and sample the rows that end a
         sequence's known tokens (a mid-prompt chunk only fills the cache)."""
         inputs, sampled, prompt_spans = self.prepare_inputs(plan.scheduled)
-        out = RunnerOutput(counters={"num_prompt_tokens_computed": sum(
-            min(n, s.num_prompt_tokens - s.num_computed_tokens) for s, n in plan.scheduled
-            if s.num_computed_tokens < s.num_prompt_tokens)})
+        out = RunnerOutput(counters={"num_prompt_tokens_computed": num_prompt_tokens(
+            plan.scheduled)})
         logits = self.forward(inputs)  # (rows asked for, V) float32
         self.record_prompt_logprobs(prompt_spans, logits[len(sampled):], out)
         if sampled:
@@ -210,8 +221,7 @@ class ModelRunner:
         entries = self.logprob_entries(seqs, tokens, result)
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if token < 0:
-                out.failed[seq.seq_id] = FloatingPointError(
-                    "the model's logits for this request are NaN or infinite")
+                out.failed[seq.seq_id] = FloatingPointError(NOT_FINITE)
                 continue
             out.token_ids[seq.seq_id] = [token]
             if entries[i] is not None:
@@ -284,6 +294,6 @@ class ModelRunner:
             logits = logits[healthy]
             result = sample_logits(logits, seqs)
         chosen = logits.gather(-1, result.token_ids.unsqueeze(-1)).squeeze(-1)  # (B,)
-        broken = lambda x: x.isnan() | (x == float("inf"))
-        result.token_ids = torch.where(broken(logits[:, 0]) | broken(chosen), -1, result.token_ids)
+        broken = not_finite(logits[:, 0]) | not_finite(chosen)
+        result.token_ids = torch.where(broken, -1, result.token_ids)
         return result, seqs

@@ -45,7 +45,7 @@ import torch
 
 from minivllm.compile import DecodeInputs
 from minivllm.kv_cache import AttentionMetadata, BlockManager, KVCachePool
-from minivllm.runner import ModelInputs, ModelRunner
+from minivllm.runner import NOT_FINITE, ModelInputs, ModelRunner, not_finite, num_prompt_tokens
 from minivllm.sampling import Sampler, SamplingParams, sampling_probs
 from minivllm.scheduler import RunnerOutput, SchedulerOutput, Sequence, SequenceStatus
 from minivllm.tokenizer import Tokenizer
@@ -449,9 +449,7 @@ class SpeculativeRunner:
         runner = self.runner
         inputs, sampled, spans, num_sampling = self._inputs(plan, drafts)
         out = RunnerOutput(counters={
-            "num_prompt_tokens_computed": sum(
-                min(n, s.num_prompt_tokens - s.num_computed_tokens) for s, n in plan.scheduled
-                if s.num_computed_tokens < s.num_prompt_tokens),
+            "num_prompt_tokens_computed": num_prompt_tokens(plan.scheduled),
             "num_spec_verifications": 0, "num_spec_proposed_tokens": 0,
             "num_spec_accepted_tokens": 0})
         decoder = getattr(runner, "decoder", None)  # notebook 07's compiled decode step
@@ -532,9 +530,8 @@ class SpeculativeRunner:
         accepted drafts and one token of the target's own. NaN logits raise
         ``FloatingPointError``. (Every speculating row goes through here: the fault injector
         of notebook 04 wraps it.)"""
-        column = logits[:, 0]  # NaN in a hidden state reaches every logit (see the runner)
-        if bool((column.isnan() | (column == float("inf"))).any()):
-            raise FloatingPointError("the model's logits for this request are NaN or infinite")
+        if bool(not_finite(logits[:, 0]).any()):  # NaN in a hidden state reaches every logit
+            raise FloatingPointError(NOT_FINITE)
         if seq.params.is_greedy:
             return greedy_accept(draft, logits.argmax(dim=-1).tolist())
         probs = target_probs(logits, [seq.params] * logits.shape[0]).cpu()
