@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -378,6 +382,12 @@ def _inductor_cache_dir() -> str:
         return "unknown"
 
 
+def _warn_eager(exc: Exception) -> None:
+    warnings.warn(f"torch.compile is unavailable here ({type(exc).__name__}: {exc}); "
+                  "running the decode step eagerly (set MINIVLLM_COMPILE=0 to skip trying)",
+                  RuntimeWarning, stacklevel=3)
+
+
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,
                 device: torch.device, vocab_size: int, single_row_matvec: bool = True,
                 matvec_kernel: str = "auto") -> CompiledDecoder | None:
@@ -388,26 +398,124 @@ def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scrat
         decoder.warmup(vocab_size)
         return decoder
     except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)
-        warnings.warn(f"torch.compile is unavailable here ({type(exc).__name__}: {exc}); "
-                      "running the decode step eagerly (set MINIVLLM_COMPILE=0 to skip trying)",
-                      RuntimeWarning, stacklevel=2)
+        _warn_eager(exc)
         return None
+
+
+class BackgroundWarmup:
+    """A CompiledDecoder's warm-up in a thread of its own, so that the engine serves eagerly
+    while inductor compiles, and takes the compiled step between two steps once it is built.
+
+    ``build`` makes the CompiledDecoder in the thread too (``torch.compile`` imports dynamo,
+    1.5 s here), after the runner switched the linears to ``SingleRowLinear`` itself, before
+    serving: so the thread only wraps, traces and compiles, and changes nothing the eager
+    steps use. Its warm-up batches write into the scratch block alone, which no sequence
+    ever holds. What it raises is kept in ``error``, for the runner to report.
+
+    While it runs, the interpreter switches threads every ``switch_interval_s`` instead of
+    every 5 ms. Every eager PyTorch op lets go of the GIL and must win it back, and dynamo's
+    tracing is Python that never lets go on its own: at 5 ms per hand-over, a 16-token
+    request on the bundled model took 13.9 s beside a busy Python thread instead of 0.09 s
+    alone; at 0.2 ms it took 0.30 s (docs/decisions.md, issue 31)."""
+
+    switch_interval_s = 0.0002
+
+    def __init__(self, build: Callable[[], CompiledDecoder], vocab_size: int) -> None:
+        self.decoder: CompiledDecoder | None = None  # once built
+        self.error: Exception | None = None
+        self.started = time.perf_counter()
+        self._default_switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self.switch_interval_s, self._default_switch_interval))
+        self._thread = threading.Thread(target=self._run, args=(build, vocab_size),
+                                        name="minivllm-compile", daemon=True)
+        self._thread.start()
+
+    def _run(self, build: Callable[[], CompiledDecoder], vocab_size: int) -> None:
+        try:
+            decoder = build()
+            decoder.warmup(vocab_size)
+            self.decoder = decoder
+        except Exception as exc:  # noqa: BLE001 -- reported by the runner, which stays eager
+            self.error = exc
+        finally:
+            sys.setswitchinterval(self._default_switch_interval)
+
+    def done(self, timeout: float | None = 0.0) -> bool:
+        """Whether the warm-up has ended (waiting up to ``timeout`` s; None: until it has)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class CompiledRunner(ModelRunner):
     """``ModelRunner`` with merged projections and the compiled decode step (notebook 07):
-    ``EngineConfig.compile`` / ``merge_projections`` select it (``engine.RUNNER_VARIANTS``)."""
+    ``EngineConfig.compile`` / ``merge_projections`` select it (``engine.RUNNER_VARIANTS``).
+
+    With ``EngineConfig.compile_in_background`` (the default) the runner is ready as soon as
+    the weights and the pool are: it runs every step eagerly while a ``BackgroundWarmup``
+    compiles, and ``decoder`` becomes the compiled step between two steps once it is built."""
 
     def __init__(self, config, *args) -> None:
         super().__init__(config, *args)  # loads (and merges) the model, sizes the pool
         use_compile = compile_enabled_by_default() if config.compile is None else config.compile
-        self.decoder: CompiledDecoder | None = None  # None: every step runs eagerly
-        if use_compile:
-            self.decoder = try_compile(self.model, self.pool.kv, config.block_size,
-                                       self.num_blocks, self.device, self.model_config.vocab_size,
-                                       single_row_matvec=config.single_row_matvec,
-                                       matvec_kernel=config.matvec_kernel)
-        self.compile_seconds = self.decoder.compile_seconds if self.decoder else 0.0
+        self._decoder: CompiledDecoder | None = None  # None: every step runs eagerly
+        self._warmup: BackgroundWarmup | None = None  # the compile under way, if any
+        self.compile_seconds = 0.0  # the warm-up's own time
+        self.compiled_after_s: float | None = None  # from the start of compiling to the swap
+        self.eager_steps_while_compiling = 0
+        if use_compile and config.compile_in_background:
+            if config.single_row_matvec:  # now, before serving: the thread switches nothing
+                use_matvec_for_single_rows(self.model, choose_matvec_kernel(config.matvec_kernel)[0])
+            self._warmup = BackgroundWarmup(partial(
+                CompiledDecoder, self.model, self.pool.kv, config.block_size, self.num_blocks,
+                self.device, config.single_row_matvec, config.matvec_kernel),
+                self.model_config.vocab_size)
+            logger.info("compiling the decode step in the background; steps run eagerly "
+                        "until it is built")
+        elif use_compile:
+            self._decoder = try_compile(self.model, self.pool.kv, config.block_size,
+                                        self.num_blocks, self.device,
+                                        self.model_config.vocab_size,
+                                        single_row_matvec=config.single_row_matvec,
+                                        matvec_kernel=config.matvec_kernel)
+            if self._decoder is not None:
+                self.compile_seconds = self.compiled_after_s = self._decoder.compile_seconds
+
+    @property
+    def decoder(self) -> CompiledDecoder | None:
+        """The compiled decode step, or None while it is being built (or where it failed).
+        Read between steps only: this is where a finished background compile swaps in."""
+        if self._warmup is not None and self._warmup.done():
+            self._swap_in()
+        return self._decoder
+
+    @property
+    def decode_step(self) -> str:
+        """How the next decode step runs: "compiling" (eagerly: the compile is under way),
+        "compiled" or "eager". A read only, safe from any thread (the swap is ``decoder``'s)."""
+        warmup = self._warmup
+        if warmup is not None:
+            if not warmup.done():
+                return "compiling"
+            return "eager" if warmup.error is not None else "compiled"
+        return "compiled" if self._decoder is not None else "eager"
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until a background compile has ended (or ``timeout`` s); True once compiled.
+        Between steps only, as ``decoder``: a benchmark calls it to measure the compiled step."""
+        if self._warmup is not None:
+            self._warmup.done(timeout)
+        return self.decoder is not None
+
+    def _swap_in(self) -> None:
+        warmup, self._warmup = self._warmup, None
+        if warmup.error is not None:
+            _warn_eager(warmup.error)
+            return
+        self._decoder, self.compile_seconds = warmup.decoder, warmup.decoder.compile_seconds
+        self.compiled_after_s = time.perf_counter() - warmup.started
+        logger.info("the compiled decode step takes over: built %.1f s after compiling began "
+                    "(%d steps ran eagerly meanwhile)", self.compiled_after_s,
+                    self.eager_steps_while_compiling)
 
     def load_model(self, path) -> nn.Module:
         model = super().load_model(path)
@@ -420,15 +528,17 @@ class CompiledRunner(ModelRunner):
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """A pure-decode step (one new token per sequence, its last) through the compiled
         graph; any other step the eager way (notebook 03)."""
-        if self.decoder is None or not all(
+        decoder = self.decoder  # read once: a swap lands between steps, never inside one
+        if decoder is None or not all(
                 n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in plan.scheduled):
+            self.eager_steps_while_compiling += self._warmup is not None
             return super().execute(plan)
         seqs = [s for s, _ in plan.scheduled]
         batch = DecodeInputs([s.token_ids[-1] for s in seqs], [s.num_tokens for s in seqs],
                              [s.block_table for s in seqs])
         out = RunnerOutput(counters={  # a "decode" may be a prompt's last token
             "num_prompt_tokens_computed": num_prompt_tokens(plan.scheduled)})
-        self.sample(self.decoder.logits(batch), seqs, out, sample_logits=self._sample_compiled)
+        self.sample(decoder.logits(batch), seqs, out, sample_logits=self._sample_compiled)
         return out
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -443,5 +553,5 @@ class CompiledRunner(ModelRunner):
         else:
             noise = exponential_noise(len(seqs), logits.shape[-1],
                                       [s.generator for s in seqs], self.device)
-            tokens = self.decoder.sample(processed, params, noise)
+            tokens = self._decoder.sample(processed, params, noise)
         return Sampler.logprobs(logits, tokens, params)  # of the raw logits, as vLLM

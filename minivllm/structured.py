@@ -27,7 +27,6 @@ import logging
 import llguidance
 import numpy as np
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
 from minivllm.sampling import StructuredOutputsParams
 from minivllm.tokenizer import Tokenizer
@@ -131,6 +130,10 @@ class StructuredOutputManager:
 
     def bitmask(self, seq_ids: list[int]) -> torch.Tensor:
         """(len(seq_ids), W) int32: the tokens each sequence's grammar allows next."""
+        # imported here, not with the module: llguidance.torch imports torch._dynamo (1.5 s
+        # of a server's start-up, before its first grammar; docs/decisions.md, issue 31)
+        from llguidance.torch import fill_next_token_bitmask
+
         bitmask = torch.empty(len(seq_ids), self.num_words, dtype=torch.int32)
         for row, seq_id in enumerate(seq_ids):
             fill_next_token_bitmask(self.matchers[seq_id], bitmask, row)

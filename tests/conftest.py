@@ -105,4 +105,5 @@ def compiled_random(random_engine_model):
     from minivllm import LLM
 
     return LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
-               max_num_seqs=4, max_num_batched_tokens=24, compile=True)
+               max_num_seqs=4, max_num_batched_tokens=24, compile=True,
+               compile_in_background=False)  # every decode step compiled, from the first

@@ -204,7 +204,7 @@ def test_preemption_keeps_each_matcher(tiny_model, llm):
 def test_compiled_decode_applies_the_mask(tiny_model, llm):
     """The compiled decode step returns logits; the mask goes on them before sampling, so the
     compiled engine writes the same constrained tokens as the eager one."""
-    compiled = LLM(str(tiny_model), compile=True, **ENGINE)
+    compiled = LLM(str(tiny_model), compile=True, compile_in_background=False, **ENGINE)
     assert compiled.engine.runner.decoder is not None
     params = [_json(PERSON, temperature=0), _json(ORDER, temperature=0.8, seed=3),
               SamplingParams(temperature=0, max_tokens=30)]

@@ -72,7 +72,8 @@ def test_compiled_seeded_sampling_equals_eager(compiled_random, random_engine_mo
 
 def test_compiled_m1_parity_on_the_bundled_model(tiny_model, caplog):
     with caplog.at_level("INFO", logger="minivllm.compile"):
-        llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512, compile=True)
+        llm = LLM(str(tiny_model), num_blocks=64, max_model_len=512, compile=True,
+                  compile_in_background=False)
     # the warm-up says what it is doing, shape by shape (a first start compiles for a minute)
     warmups = [r.getMessage() for r in caplog.records if "compile warm-up: batch" in r.getMessage()]
     assert len(warmups) == 4 and warmups[0].startswith("compile warm-up: batch 1,")
@@ -91,13 +92,17 @@ def test_platform_without_a_compiler_falls_back_to_eager_with_one_warning(
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(torch, "compile", broken)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        llm = LLM(str(random_engine_model), block_size=8, num_blocks=32, max_model_len=96,
-                  compile=True)
-    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
-    assert len(messages) == 1 and "running the decode step eagerly" in messages[0]
-    assert llm.engine.runner.decoder is None
+    for background in (False, True):  # up front, or in the background thread (the default)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm = LLM(str(random_engine_model), block_size=8, num_blocks=32, max_model_len=96,
+                      compile=True, compile_in_background=background)
+            assert llm.engine.runner.wait_until_compiled(timeout=60) is False
+        messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+        assert len(messages) == 1 and "running the decode step eagerly" in messages[0]
+        assert llm.engine.runner.decoder is None and llm.engine.runner.decode_step == "eager"
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4  # serving eagerly
     out = llm.generate({"prompt_token_ids": [1, 2, 3]},
                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(random_engine_model, [1, 2, 3], 5)
@@ -215,7 +220,8 @@ def test_the_engine_passes_single_row_matvec_to_the_compiled_step(random_engine_
         (kwargs["single_row_matvec"], kwargs["matvec_kernel"])))
     for option, kernel in ((True, "inductor"), (False, "auto")):
         LLM(str(random_engine_model), block_size=8, num_blocks=8, max_model_len=64,
-            compile=True, single_row_matvec=option, matvec_kernel=kernel)
+            compile=True, compile_in_background=False, single_row_matvec=option,
+            matvec_kernel=kernel)
     assert seen == [(True, "inductor"), (False, "auto")]
 
 
@@ -368,3 +374,63 @@ def test_merging_a_bf16_checkpoint_unmaps_the_file(tiny_model, tmp_path):
     assert not mapped()
     tied = model.config.tie_word_embeddings
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_the_compiled_step_swapping_in_mid_batch_changes_no_output(compiled_random,
+                                                                    random_engine_model,
+                                                                    monkeypatch):
+    """Guards: the background compile (compile_in_background, the default) changing a token
+    when it takes over between two steps of a running batch. The warm-up waits at a gate
+    until the batch has decoded eagerly for a while; then it compiles, swaps in, and the
+    batch (with two requests that arrive after the swap) ends on the compiled step. In float32
+    every request's tokens equal an all-eager and an all-compiled run."""
+    import threading
+
+    from minivllm.compile import CompiledDecoder
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+
+    gate = threading.Event()
+    warmup = CompiledDecoder.warmup
+    monkeypatch.setattr(CompiledDecoder, "warmup",
+                        lambda self, vocab_size: gate.wait() and warmup(self, vocab_size))
+    options = dict(block_size=8, num_blocks=12, max_model_len=96, max_num_seqs=4,
+                   max_num_batched_tokens=24)  # compiled_random's, so its graphs are reused
+    engine = LLMEngine(EngineConfig(model=str(random_engine_model), compile=True,
+                                    compile_in_background=True, **options))
+    runner = engine.runner
+    assert runner.decode_step == "compiling" and runner.decoder is None
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 8))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    for _ in range(8):  # <= 32 prompt tokens, 24 a step: prefilled by step 2, then decoding
+        step()
+    generated = [s.num_tokens - s.num_prompt_tokens for s in engine.scheduler.running]
+    assert len(generated) == 4 and min(generated) >= 5, generated  # eager decode steps ran
+    assert runner.decode_step == "compiling" and runner.eager_steps_while_compiling == 8
+    gate.set()
+    assert runner.wait_until_compiled(timeout=900) and runner.decode_step == "compiled"
+    compiled_rows = []
+    logits = runner.decoder.logits
+    monkeypatch.setattr(runner.decoder, "logits",
+                        lambda batch: compiled_rows.append(len(batch.input_ids)) or logits(batch))
+    for i, prompt in enumerate(prompts[4:], start=4):  # requests that arrive after the swap
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        step()
+    assert compiled_rows and max(compiled_rows) > 1  # the running batch went on compiled
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    eager = LLM(str(random_engine_model), compile=False, **options).generate(requests, params)
+    compiled = compiled_random.generate(requests, params)
+    for i in range(len(prompts)):
+        assert got[str(i)] == eager[i].outputs[0].token_ids == compiled[i].outputs[0].token_ids
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

@@ -71,7 +71,7 @@ def test_cuda_graphs_replay_and_match_eager(tiny_model):
     from torch._dynamo.utils import counters
 
     eager = LLM(str(tiny_model), compile=False, **OPTIONS)
-    compiled = LLM(str(tiny_model), compile=True, **OPTIONS)
+    compiled = LLM(str(tiny_model), compile=True, compile_in_background=False, **OPTIONS)
     assert compiled.engine.runner.decoder is not None and compiled.engine.runner.decoder.on_cuda
     prompts = _prompts(12, seed=1)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True)
@@ -95,5 +95,5 @@ def test_cuda_seeded_sampling_compiled_equals_eager(tiny_model):
                             max_tokens=20, ignore_eos=True)
     prompt = {"prompt_token_ids": [7, 70, 170, 270, 370]}
     eager = LLM(str(tiny_model), compile=False, **OPTIONS).generate(prompt, params)
-    compiled = LLM(str(tiny_model), compile=True, **OPTIONS).generate(prompt, params)
+    compiled = LLM(str(tiny_model), compile=True, compile_in_background=False, **OPTIONS).generate(prompt, params)
     assert compiled[0].outputs[0].token_ids == eager[0].outputs[0].token_ids

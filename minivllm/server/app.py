@@ -140,7 +140,7 @@ def build_app(engine: AsyncEngine, served_model_names: list[str],
 
     @app.get("/stats")
     async def stats() -> dict:
-        return engine.stats
+        return {**engine.stats, "decode_step": engine.decode_step}
 
     @app.get("/metrics")  # open like /health (no API key), as in vLLM: counts, never text
     async def prometheus_metrics() -> Response:

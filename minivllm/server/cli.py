@@ -60,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=list(ATTENTION_BACKENDS))
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=engine.compile,
                    help="compile the decode step (default: $MINIVLLM_COMPILE, on)")
+    p.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction,
+                   default=engine.compile_in_background,
+                   help="answer at once, running steps eagerly while the decode step compiles, "
+                        "and swap the compiled step in between two steps (notebook 07); "
+                        "--no-compile-in-background compiles before serving")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
                    help="a compiled CPU decode of one bf16 row runs its linears as a "
@@ -109,7 +114,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
-        "attention_backend": args.attention_backend, "compile": args.compile, "seed": args.seed,
+        "attention_backend": args.attention_backend, "compile": args.compile,
+        "compile_in_background": args.compile_in_background, "seed": args.seed,
         "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
         "merge_projections": args.merge_projections,
         "speculative_config": args.speculative_config,

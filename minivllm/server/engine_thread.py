@@ -273,6 +273,13 @@ class AsyncEngine:
         self.stats = self._snapshot()
         self._send(routed)
 
+    @property
+    def decode_step(self) -> str:
+        """How decode steps run: "compiling" while notebook 07's runner builds its compiled
+        step in the background (steps run eagerly), then "compiled"; "eager" without one.
+        Read live, from any thread: the runner's answer is a read, never a swap."""
+        return getattr(self.engine.runner, "decode_step", "eager")
+
     def _snapshot(self) -> dict:
         e = self.engine
         return {**dataclasses.asdict(e.stats), "num_blocks": e.num_blocks,
