@@ -14,6 +14,7 @@ machine's CPU and load beside them, and appends a JSON record per start to ``--o
 
     python tools/startup_time.py                     # the bundled model
     python tools/startup_time.py --model CKPT_DIR    # another checkpoint
+    python tools/startup_time.py --out bench/results/startup/DATE-CPU.jsonl  # keep records
     python tools/startup_time.py -- --no-compile-in-background   # server flags after --
 
 Run it alone: on 2 cores anything else running slows the compile 10x.
