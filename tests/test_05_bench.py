@@ -462,17 +462,102 @@ def test_transformers_serve_row_is_skipped_when_it_cannot_start(tiny_model, caps
         capsys.readouterr().out
 
 
-def test_vllm_row_is_skipped_not_faked(tiny_model, capsys):
-    """Without vLLM and CUDA the row must be absent, with a message saying why."""
+def test_peer_rows_are_skipped_not_faked(tiny_model, capsys, monkeypatch, tmp_path):
+    """With no peer set up (a fresh clone: nothing under bench/peers/ but the scripts) the
+    vllm and llama-server rows are absent, each with the command that sets it up."""
     import importlib.util
 
     import torch
 
     if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
         pytest.skip("vLLM and CUDA are present: the row would really run")
-    assert run_benchmark(_options(tiny_model, ["vllm", "openai"]), None) == []
+    monkeypatch.setenv("MINIVLLM_PEERS_DIR", str(tmp_path))
+    assert run_benchmark(_options(tiny_model, ["vllm", "llama-server", "openai"]), None) == []
     out = capsys.readouterr().out
-    assert "skipping vllm" in out and "skipping openai: no --base-url" in out
+    assert "skipping vllm: not set up" in out and "bench/peers/setup_vllm.sh" in out
+    assert "skipping llama-server: not set up" in out and "setup_llama_cpp.sh" in out
+    assert "skipping openai: no --base-url" in out
+
+
+def test_vllm_cpu_is_started_as_its_cpu_guide_says(tmp_path):
+    """``vllm serve X`` with the run's dtype and seed; its KV space is our budget in GiB,
+    its OpenMP threads get every core we have (not one less), tcmalloc when installed."""
+    from minivllm.bench.peers import vllm_cpu_command, vllm_cpu_env
+
+    cmd = vllm_cpu_command(tmp_path / "vllm", "ckpt", 8123, "bfloat16", 7, {"max_num_seqs": 64})
+    assert cmd[1:3] == ["serve", "ckpt"] and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--seed") + 1] == "7" and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "64" and "--max-model-len" not in cmd
+    env = vllm_cpu_env(2 * 2**30, cpus=[0, 1])
+    assert env["VLLM_TARGET_DEVICE"] == "cpu" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert vllm_cpu_env(2**29, cpus=[0, 2, 3])["VLLM_CPU_OMP_THREADS_BIND"] == "0,2,3"
+    assert vllm_cpu_env(2**29, cpus=[3])["VLLM_CPU_KVCACHE_SPACE"] == "1"  # at least 1 GiB
+    import ctypes.util
+
+    if ctypes.util.find_library("tcmalloc_minimal"):
+        assert "tcmalloc" in env["LD_PRELOAD"]
+
+
+def test_llama_server_gets_a_slot_per_client_and_our_kv_tokens(tiny_model, tmp_path,
+                                                                monkeypatch):
+    """``llama-server`` with every core, a slot per client and a context of our pool's
+    tokens; requests say ``cache_prompt: false`` and carry the prompt's token ids; each
+    checkpoint (by path, not only by name) and dtype has its own GGUF file."""
+    import torch
+
+    from minivllm.bench.peers import gguf_path, llama_server_command, llama_server_payload
+    from minivllm.bench.servers import kv_pool_tokens, transformers_serve_kv
+    from minivllm.config import EngineConfig, ModelConfig
+
+    cmd = llama_server_command(tmp_path / "llama-server", tmp_path / "m.gguf", 8124, 32,
+                               174_752, 2)
+    for flag, value in (("-t", "2"), ("--parallel", "32"), ("-c", "174752"), ("--port", "8124")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--cont-batching" in cmd
+    body = llama_server_payload("m", BenchRequest([1, 2, 3], 5))
+    assert body["cache_prompt"] is False and body["prompt"] == [1, 2, 3]
+    assert body["max_tokens"] == 5 and body["ignore_eos"] is True
+    monkeypatch.setenv("MINIVLLM_PEERS_DIR", str(tmp_path))
+    (tmp_path / "a" / "ckpt").mkdir(parents=True)
+    (tmp_path / "b" / "ckpt").mkdir(parents=True)
+    paths = {gguf_path(tmp_path / d / "ckpt", t) for d in "ab" for t in ("bfloat16", "float32")}
+    assert len(paths) == 4 and all(p.parent == tmp_path / "llama.cpp" / "models" for p in paths)
+    # the pool's tokens, which transformers-serve gets in pages of 256
+    mc, config = ModelConfig.from_pretrained(tiny_model), EngineConfig(model=str(tiny_model))
+    tokens = kv_pool_tokens(mc, torch.float32, config)
+    assert tokens > 0 and tokens % config.block_size == 0
+    assert transformers_serve_kv(mc, torch.float32, config)[0] == max(1, tokens // 256)
+
+
+def test_monitor_sums_a_server_process_tree_for_rss_tree():
+    """vLLM serves from two processes (front end, engine core): ``rss_tree`` counts both."""
+    from minivllm.bench.env import Monitor
+
+    hold = ("import subprocess, sys, time\nb = bytearray(200 * 2**20)\n"
+            "c = subprocess.Popen([sys.executable, '-c', "
+            "'import time; b = bytearray(200 * 2**20); time.sleep(30)'])\ntime.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", hold])
+    try:
+        deadline = time.monotonic() + 20
+        import psutil
+
+        while time.monotonic() < deadline:  # until the child holds its memory too
+            kids = psutil.Process(parent.pid).children()
+            if kids and kids[0].memory_info().rss > 200 * 2**20:
+                break
+            time.sleep(0.1)
+        with Monitor(parent.pid, memory_kind="rss") as one:
+            time.sleep(0.5)
+        with Monitor(parent.pid, memory_kind="rss_tree") as tree:
+            time.sleep(0.5)
+    finally:
+        for kid in psutil.Process(parent.pid).children(recursive=True):
+            kid.kill()
+        parent.kill()
+        parent.wait()
+    assert one.peak_memory_bytes > 200 * 2**20
+    assert tree.peak_memory_bytes > one.peak_memory_bytes + 190 * 2**20
 
 
 def test_cli_isolated_run_prints_table(tiny_model, tmp_path):

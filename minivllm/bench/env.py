@@ -52,7 +52,8 @@ class Monitor:
     """While a run lasts: the peak memory of the engine and the CPU used by *others*.
 
     A thread samples every ``interval`` seconds the RSS of the engine process
-    (``memory_pid``), or the GPU memory in use on the device when
+    (``memory_pid``; with ``memory_kind="rss_tree"`` summed over its child processes too),
+    or the GPU memory in use on the device when
     ``memory_kind="cuda_device_used"`` (for servers in other processes). At the end,
     ``other_cpu_percent`` is the machine's busy CPU time minus that of this benchmark's
     process tree (``root_pid`` and its descendants), as a percentage of all cores. Engines
@@ -79,6 +80,14 @@ class Monitor:
         if self.memory_kind == "rss" and self.memory_pid is not None:
             with contextlib.suppress(psutil.Error):
                 return psutil.Process(self.memory_pid).memory_info().rss
+        if self.memory_kind == "rss_tree" and self.memory_pid is not None:
+            # a server of several processes (vLLM's front end and engine core): the sum of
+            # their RSS, an upper bound (a library mapped by two of them counts twice)
+            total = 0
+            for p in _tree(self.memory_pid):
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+            return total or None
         return None
 
     def _our_cpu_seconds(self) -> float:

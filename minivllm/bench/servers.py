@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -32,14 +33,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], root_url: str, name: str,
-                   startup_timeout: float = 900.0) -> Iterator[subprocess.Popen]:
-    """Start a server subprocess, wait until ``GET /health`` answers 200, stop it after."""
+def running_server(cmd: list[str], root_url: str, name: str, startup_timeout: float = 900.0,
+                   env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start a server subprocess (with ``env`` added to ours), wait until ``GET /health``
+    answers 200, stop it after."""
     import httpx
 
     fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
     with open(fd, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=None if env is None else {**os.environ, **env})
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -119,19 +122,25 @@ def transformers_serve_command(model: str, port: int, dtype: str, device: str,
     return cmd
 
 
-def transformers_serve_kv(mc, dtype, config) -> tuple[int, int]:
-    """(pages, tokens per step) for ``transformers serve`` on a CPU: as many KV token slots as
-    our engine's pool holds for ``config`` (an ``EngineConfig``: its byte budget, capped, as
-    our engine caps it, at ``max_num_seqs`` sequences of ``max_model_len``), in pages of
-    ``TRANSFORMERS_PAGE_SIZE`` tokens, and our step's token budget. (Its attention masks
-    grow with both: that memory is its own design's cost, and shows in its RSS.)"""
+def kv_pool_tokens(mc, dtype, config) -> int:
+    """How many tokens our engine's KV pool holds for ``config`` (an ``EngineConfig``): its
+    byte budget, capped, as our engine caps it, at ``max_num_seqs`` sequences of
+    ``max_model_len``. Another engine's KV cache is given as many token slots."""
     blocks = config.num_blocks  # given: our engine takes it as it is
     if blocks is None:
         budget = config.kv_cache_memory_bytes
         max_len = config.max_model_len or mc.max_position_embeddings
         blocks = min(kv_blocks_for_budget(mc, dtype, budget, config.block_size),
                      config.max_num_seqs * -(-max_len // config.block_size))
-    pages = max(1, blocks * config.block_size // TRANSFORMERS_PAGE_SIZE)
+    return blocks * config.block_size
+
+
+def transformers_serve_kv(mc, dtype, config) -> tuple[int, int]:
+    """(pages, tokens per step) for ``transformers serve`` on a CPU: as many KV token slots as
+    our engine's pool holds for ``config`` (``kv_pool_tokens``), in pages of
+    ``TRANSFORMERS_PAGE_SIZE`` tokens, and our step's token budget. (Its attention masks
+    grow with both: that memory is its own design's cost, and shows in its RSS.)"""
+    pages = max(1, kv_pool_tokens(mc, dtype, config) // TRANSFORMERS_PAGE_SIZE)
     return pages, config.max_num_batched_tokens
 
 
