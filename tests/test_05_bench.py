@@ -435,6 +435,8 @@ def test_short_run_minivllm_server(tiny_model, tmp_path):
     assert records[0]["env"]["command"][1:] == ["-m", "minivllm.serve", "--model",
                                                 str(tiny_model), "--port",
                                                 records[0]["env"]["command"][6], "--no-compile"]
+    # how long it took to answer /health, measured by the harness that started it
+    assert 0 < records[0]["env"]["ready_after_s"] < 900
 
 
 @pytest.mark.skipif(bool(transformers_serve_missing()),

@@ -202,15 +202,20 @@ def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
 
 
 def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
-                  info: dict, payload: Payload = completion_payload) -> Session:
-    """A session over HTTP: requests name the model the server lists, bodies by ``payload``."""
+                  info: dict, payload: Payload = completion_payload,
+                  ready_after_s: float | None = None) -> Session:
+    """A session over HTTP: requests name the model the server lists, bodies by ``payload``;
+    a server the harness started records how long it took to answer ``/health``."""
     name = served_model_name(base_url, model)
 
     def run(requests, concurrency, on_finish):
         return run_openai_client(base_url, name, requests, concurrency, on_finish=on_finish,
                                  timeout_s=opts.request_timeout, payload=payload)
 
-    return Session(run, memory_pid, memory_kind, {**info, "served_model_name": name})
+    info = {**info, "served_model_name": name}
+    if ready_after_s is not None:
+        info["ready_after_s"] = ready_after_s
+    return Session(run, memory_pid, memory_kind, info)
 
 
 def _wait_for_compiled_step(stats_url: str, timeout_s: float = 1800.0) -> float:
@@ -284,7 +289,7 @@ def _transformers_serve(opts: BenchOptions, device: str) -> Iterator[Session | N
                              "kv_cache": {"num_blocks": num_blocks,
                                           "block_size": TRANSFORMERS_PAGE_SIZE,
                                           "max_batch_tokens": max_batch_tokens},
-                             "batching": "continuous"}, payload)
+                             "batching": "continuous"}, payload, ready_after_s=proc.ready_after_s)
 
 
 @contextlib.contextmanager
@@ -322,7 +327,7 @@ def _vllm(opts: BenchOptions, device: str) -> Iterator[Session | None]:
     with running_server(cmd, f"http://127.0.0.1:{port}", "vllm", env=env) as proc:
         yield _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid, kind,
                             {"device": device, "dtype": dtype, "command": cmd,
-                             "environment_variables": env})
+                             "environment_variables": env}, ready_after_s=proc.ready_after_s)
 
 
 @contextlib.contextmanager
@@ -357,7 +362,7 @@ def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
         yield _http_session(f"http://127.0.0.1:{port}/v1", str(path), opts, proc.pid, "rss",
                             {"device": device, "dtype": dtype, "command": cmd,
                              "gguf": str(gguf), "batching": "continuous"},
-                            llama_server_payload)
+                            llama_server_payload, ready_after_s=proc.ready_after_s)
 
 
 @contextlib.contextmanager
@@ -426,6 +431,7 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
             session = _http_session(f"http://127.0.0.1:{port}/v1", opts.model, opts, proc.pid,
                                     kind, {"device": device, "dtype": _resolved_dtype(opts, device),
                                            "command": cmd, "engine_options": opts.engine_options})
+            session.info["ready_after_s"] = proc.ready_after_s
             session.info["compiled_after_health_s"] = _wait_for_compiled_step(
                 f"http://127.0.0.1:{port}/stats")
             session.stats = lambda: _server_stats(f"http://127.0.0.1:{port}/stats")

@@ -36,7 +36,7 @@ def free_port() -> int:
 def running_server(cmd: list[str], root_url: str, name: str, startup_timeout: float = 900.0,
                    env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
     """Start a server subprocess (with ``env`` added to ours), wait until ``GET /health``
-    answers 200, stop it after."""
+    answers 200 (``proc.ready_after_s``: how long that took), stop it after."""
     import httpx
 
     fd, log_path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
@@ -44,7 +44,8 @@ def running_server(cmd: list[str], root_url: str, name: str, startup_timeout: fl
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=None if env is None else {**os.environ, **env})
     try:
-        deadline = time.monotonic() + startup_timeout
+        started = time.monotonic()
+        deadline = started + startup_timeout
         while True:
             if proc.poll() is not None:
                 tail = Path(log_path).read_text(errors="replace")[-2000:]
@@ -52,6 +53,7 @@ def running_server(cmd: list[str], root_url: str, name: str, startup_timeout: fl
                                    f"was ready; log {log_path}:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(root_url + "/health", timeout=5).status_code == 200:
+                    proc.ready_after_s = time.monotonic() - started  # for the record
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not healthy after {startup_timeout:.0f}s; log "
