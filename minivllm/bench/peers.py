@@ -18,6 +18,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from minivllm.bench.clients import completion_payload
+from minivllm.bench.servers import vllm_batch_flags
+
 
 def peers_dir() -> Path:
     """Where ``bench/peers/setup_*.sh`` put the peers: beside the package in a clone of the
@@ -44,13 +47,8 @@ def vllm_cpu_command(exe: Path, model: str, port: int, dtype: str, seed: int,
                      options: dict) -> list[str]:
     """``vllm serve X`` on the loopback port, with the run's dtype and seed, and the batch
     limits only when the run sets them (vLLM's own defaults otherwise)."""
-    cmd = [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--seed", str(seed)]
-    if options.get("max_num_seqs"):
-        cmd += ["--max-num-seqs", str(options["max_num_seqs"])]
-    if options.get("max_model_len"):
-        cmd += ["--max-model-len", str(options["max_model_len"])]
-    return cmd
+    return [str(exe), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--seed", str(seed), *vllm_batch_flags(options)]
 
 
 def vllm_cpu_env(kv_cache_bytes: int, cpus: list[int] | None = None) -> dict[str, str]:
@@ -120,6 +118,4 @@ def llama_server_command(exe: Path, gguf: Path, port: int, parallel: int, contex
 def llama_server_payload(model: str, request) -> dict:
     """The bench's completion body, plus ``cache_prompt: false``: llama-server would
     otherwise reuse a slot's KV for a prompt's shared prefix, work the other engines do."""
-    from minivllm.bench.clients import completion_payload
-
     return {**completion_payload(model, request), "cache_prompt": False}

@@ -161,8 +161,14 @@ def vllm_command(model: str, port: int, dtype: str, seed: int, options: dict) ->
     """``vllm serve`` (its OpenAI server module) with the run's dtype, seed and batch limits."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
+    return cmd + vllm_batch_flags(options)
+
+
+def vllm_batch_flags(options: dict) -> list[str]:
+    """vLLM's batch limits, only those the run sets (vLLM's own defaults otherwise)."""
+    flags: list[str] = []
     if options.get("max_num_seqs"):
-        cmd += ["--max-num-seqs", str(options["max_num_seqs"])]
+        flags += ["--max-num-seqs", str(options["max_num_seqs"])]
     if options.get("max_model_len"):
-        cmd += ["--max-model-len", str(options["max_model_len"])]
-    return cmd
+        flags += ["--max-model-len", str(options["max_model_len"])]
+    return flags
