@@ -394,8 +394,8 @@ def test_the_compiled_step_swapping_in_mid_batch_changes_no_output(compiled_rand
     warmup = CompiledDecoder.warmup
     monkeypatch.setattr(CompiledDecoder, "warmup",
                         lambda self, vocab_size: gate.wait() and warmup(self, vocab_size))
-    options = dict(block_size=8, num_blocks=12, max_model_len=96, max_num_seqs=4,
-                   max_num_batched_tokens=24)  # compiled_random's, so its graphs are reused
+    options = {"block_size": 8, "num_blocks": 12, "max_model_len": 96, "max_num_seqs": 4,
+               "max_num_batched_tokens": 24}  # compiled_random's, so its graphs are reused
     engine = LLMEngine(EngineConfig(model=str(random_engine_model), compile=True,
                                     compile_in_background=True, **options))
     runner = engine.runner

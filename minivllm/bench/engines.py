@@ -368,8 +368,6 @@ def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
 @contextlib.contextmanager
 def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
     """Start engine ``name``; yields None (after saying why) when it cannot run here."""
-    import torch
-
     from minivllm.config import EngineConfig, resolve_device
 
     device = str(resolve_device(opts.device))
