@@ -51,7 +51,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig, resolve_qualname
-from minivllm.model import QwenForCausalLM, _checkpoint_files, causal_attention
+from minivllm.model import QwenForCausalLM, _checkpoint_files, _skip_init, causal_attention
 from minivllm.runner import ModelInputs, ModelRunner
 
 logger = logging.getLogger("minivllm.parallel")
@@ -271,7 +271,7 @@ def load_sharded_model(model_path: str | Path, tp: TPGroup, dtype: torch.dtype =
     model_dir = Path(model_path)
     config = ModelConfig.from_pretrained(model_dir)
     check_tp_split(config, tp.world_size)
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = shard_model(QwenForCausalLM(config), tp)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: counted once
     loaded: dict[str, torch.Tensor] = {}
