@@ -1,6 +1,6 @@
 """The benchmark's tools (notebook 05): tools/roofline.py, the stand-alone roofline report, on
-the bundled tiny model; tools/weight_bandwidth.py; tools/cuda_session.sh; and the experiment
-bench/experiments/omp_threads.py."""
+the bundled tiny model; tools/weight_bandwidth.py; tools/startup_time.py; tools/cuda_session.sh;
+and the experiment bench/experiments/omp_threads.py."""
 
 from __future__ import annotations
 
@@ -75,3 +75,49 @@ def test_omp_threads_measures_both_sides(tiny_model):
     assert result["loading_thread_tok_s"] > 0 and result["other_thread_tok_s"] > 0
     assert result["other_over_loading"] == pytest.approx(
         result["other_thread_tok_s"] / result["loading_thread_tok_s"])
+
+
+def test_startup_time_commands_for_ours_and_the_peers(tiny_model, tmp_path, monkeypatch):
+    """Each engine starts with its compiler caches under the start's directory (fresh for a
+    cold start); a peer that is not set up says which script sets it up."""
+    tool = load_module(REPO / "tools" / "startup_time.py", "startup_time")
+    monkeypatch.setenv("MINIVLLM_COMPILE", "0")  # the test suite's; a start is as shipped
+    cmd, env = tool.server_command("minivllm", str(tiny_model), 8123, str(tmp_path), [])
+    assert cmd[1:3] == ["-m", "minivllm.serve"] and cmd[cmd.index("--port") + 1] == "8123"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/inductor"
+    assert "MINIVLLM_COMPILE" not in env
+    monkeypatch.setenv("MINIVLLM_PEERS_DIR", str(tmp_path / "peers"))
+    for engine, script in (("vllm", "setup_vllm.sh"), ("llama-server", "setup_llama_cpp.sh")):
+        with pytest.raises(SystemExit, match=script):
+            tool.server_command(engine, str(tiny_model), 8123, str(tmp_path), [])
+    exe = tmp_path / "peers" / "vllm" / ".venv" / "bin" / "vllm"
+    exe.parent.mkdir(parents=True)
+    exe.touch()
+    cmd, env = tool.server_command("vllm", str(tiny_model), 8123, str(tmp_path), ["--x"])
+    assert cmd[:2] == [str(exe), "serve"] and cmd[-1] == "--x"
+    assert cmd[cmd.index("--dtype") + 1] == "float32"  # what our engine runs this model in
+    assert env["VLLM_CACHE_ROOT"] == f"{tmp_path}/vllm" and env["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+@pytest.mark.skipif(not Path("/usr/bin/fincore").exists(), reason="needs util-linux fincore")
+def test_startup_time_drops_a_file_from_the_page_cache(tmp_path):
+    """``--drop-page-cache``: the file's pages leave the page cache (fincore counts them)."""
+    import os
+    import subprocess
+
+    tool = load_module(REPO / "tools" / "startup_time.py", "startup_time")
+    file = tmp_path / "weights.bin"
+    file.write_bytes(os.urandom(8 * 2**20))
+    with open(file, "rb+") as f:
+        os.fsync(f.fileno())  # dirty pages cannot be dropped until written back
+    file.read_bytes()
+
+    def resident_pages() -> int:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "PAGES",
+                              str(file)], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[0])
+
+    if resident_pages() == 0:
+        pytest.skip("this filesystem keeps no page cache for the file")
+    tool.drop_from_page_cache([file])
+    assert resident_pages() == 0
