@@ -434,3 +434,105 @@ def test_the_compiled_step_swapping_in_mid_batch_changes_no_output(compiled_rand
     for i in range(len(prompts)):
         assert got[str(i)] == eager[i].outputs[0].token_ids == compiled[i].outputs[0].token_ids
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this CPU's oneDNN does not do bf16")
+
+
+@needs_onednn_bf16
+def test_packed_linear_weights_compute_the_same_function_eager_and_compiled(tiny_model):
+    """Guards: a packed weight giving other numbers than the plain one (eagerly, or in the
+    compiled graph through the custom op, at 1 and at several rows); float32 models being
+    packed (their parity with transformers is token for token); the plain weights kept
+    beside the packed ones (twice the memory); a freed model leaving its packed weights."""
+    import gc
+
+    from minivllm.compile import (
+        _PACKED_WEIGHTS,
+        MergedLinear,
+        PackedLinear,
+        merge_projections,
+        pack_linear_weights,
+    )
+    from minivllm.model import ContiguousKVCache, load_model
+
+    fp32 = load_model(tiny_model)
+    assert pack_linear_weights(fp32) == 0 and not any(isinstance(m, PackedLinear) for m in fp32.modules())
+    plain = load_model(tiny_model, dtype=torch.bfloat16)
+    merge_projections(plain)
+    packed = copy.deepcopy(plain)
+    before = len(_PACKED_WEIGHTS)
+    layers = plain.config.num_hidden_layers
+    assert pack_linear_weights(packed) == 4 * layers + 1  # qkv, o, gate/up, down; lm_head
+    assert len(_PACKED_WEIGHTS) == before + 4 * layers + 1
+    assert isinstance(packed.model.layers[0].mlp.gate_up_proj, MergedLinear)
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert "weight" not in dict(packed.model.layers[0].mlp.down_proj.named_parameters())
+    ids = torch.tensor([5, 17, 42, 99, 7, 3])
+    with torch.inference_mode():
+        for model in (plain, packed):  # the same prompt through each: (6, V) logits
+            cache = ContiguousKVCache(model.config, 8, torch.bfloat16, "cpu")
+            model.out = model.compute_logits(model(ids, torch.arange(6), cache))
+        torch.testing.assert_close(packed.out, plain.out, rtol=0, atol=2e-2)
+        reference = plain.model.layers[0].mlp.down_proj
+        compiled = torch.compile(PackedLinear(reference), dynamic=True)
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, reference.in_features, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), reference(x), rtol=2e-2, atol=2e-2)
+    handles = {m.handle for m in packed.modules() if isinstance(m, PackedLinear)}
+    del packed, model
+    gc.collect()
+    assert not handles & set(_PACKED_WEIGHTS)
+
+
+@needs_onednn_bf16
+def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
+    """Guards: EngineConfig.pack_linear_weights (and so --no-pack-linear-weights) not
+    reaching the engine's model, and packing changing a greedy bf16 request's tokens."""
+    from minivllm.compile import PackedLinear
+
+    prompt = {"prompt_token_ids": [7, 70, 170, 270, 9]}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for option in (True, False):
+        llm = LLM(str(tiny_model), dtype="bfloat16", block_size=8, num_blocks=12,
+                  max_model_len=96, compile=False, pack_linear_weights=option)
+        model = llm.engine.runner.model
+        assert any(isinstance(m, PackedLinear) for m in model.modules()) == option
+        tokens[option] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[True] == tokens[False]
+
+
+@needs_onednn_bf16
+def test_background_compile_packs_the_weights_in_its_thread(tiny_model, monkeypatch):
+    """Guards: packing (~2 s on the 0.5B model) before /health when the compile runs in the
+    background; the thread packing other than the engine's own model. The compile itself is
+    stubbed (it fails at once, so the runner stays eager): this is about what precedes it."""
+    import threading
+
+    import minivllm.compile as compile_module
+    from minivllm.compile import PackedLinear
+
+    seen = {}
+
+    class FailingDecoder:
+        def __init__(self, model, *args):
+            seen["thread"] = threading.current_thread().name
+            seen["packed"] = any(isinstance(m, PackedLinear) for m in model.modules())
+
+        def warmup(self, vocab_size):
+            raise RuntimeError("stub compile")
+
+    monkeypatch.setattr(compile_module, "CompiledDecoder", FailingDecoder)
+    llm = LLM(str(tiny_model), dtype="bfloat16", block_size=8, num_blocks=12, max_model_len=96,
+              compile=True, compile_in_background=True)
+    runner = llm.engine.runner
+    with pytest.warns(RuntimeWarning, match="stub compile"):
+        assert runner.wait_until_compiled(timeout=120) is False
+    assert seen == {"thread": "minivllm-compile", "packed": True}
+    assert any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [7, 70, 170]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 6

@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge-projections", action=argparse.BooleanOptionalAction,
                    default=engine.merge_projections,
                    help="q/k/v as one matmul and gate/up as one (notebook 07)")
+    p.add_argument("--pack-linear-weights", action=argparse.BooleanOptionalAction,
+                   default=engine.pack_linear_weights,
+                   help="a bf16 model on a CPU: each linear's weight reordered once into "
+                        "oneDNN's layout, as vLLM does (notebook 07)")
     p.add_argument("--seed", type=int, default=engine.seed)
     p.add_argument("--speculative-config", default=engine.speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
@@ -118,6 +122,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "compile_in_background": args.compile_in_background, "seed": args.seed,
         "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
         "merge_projections": args.merge_projections,
+        "pack_linear_weights": args.pack_linear_weights,
         "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size}
     return EngineConfig(**({"model": args.model} if args.model else {}), **options)
