@@ -187,8 +187,9 @@ class SingleRowLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and not x.is_cuda:
-            if self.kernel == "mv":
-                out = matvec(x, self.weight)  # (1, out_features)
+            if self.kernel == "mv":  # eagerly torch.mv itself: see PackedLinear.forward
+                out = (matvec(x, self.weight) if torch.compiler.is_compiling()
+                       else torch.mv(self.weight, x[0]).unsqueeze(0))  # (1, out_features)
             elif torch.compiler.is_compiling():
                 out = torch.mv(self.weight, x[0]).unsqueeze(0)  # (1, out): inductor's loop
             else:
@@ -295,6 +296,10 @@ def packed_linear(x: torch.Tensor, handle: int, out_features: int,
     A custom op taking an index: the packed weight is an opaque ``torch._mkldnn`` tensor
     that dynamo cannot trace, and inductor's own lowering of ``_linear_pointwise`` accepts
     only weights frozen into the graph."""
+    return _packed_matmul(x, handle, bias)
+
+
+def _packed_matmul(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[handle], bias, "none", [], "")
 
 
@@ -324,7 +329,11 @@ class PackedLinear(nn.Module):
         return self.in_features * self.out_features * 2  # bf16: the same bytes, reordered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.handle, self.out_features, self.bias)  # (..., out)
+        if torch.compiler.is_compiling():  # (..., out): one opaque kernel for inductor
+            return packed_linear(x, self.handle, self.out_features, self.bias)
+        # Eagerly, the op itself: a custom op's first eager call imports torch._dynamo, and
+        # that import racing the compile thread's own fails (a circular import, half done).
+        return _packed_matmul(x, self.handle, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"

@@ -536,3 +536,30 @@ def test_background_compile_packs_the_weights_in_its_thread(tiny_model, monkeypa
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": [7, 70, 170]}, params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6
+
+
+@needs_onednn_bf16
+def test_eager_packed_and_matvec_linears_leave_dynamo_unimported(tiny_model):
+    """Guards: an eager step importing torch._dynamo while the compile thread imports it (a
+    custom op's first eager call does): the two imports race into a half-initialised module
+    and the step fails with an ImportError (seen on the 0.5B server's warm start). A fresh
+    interpreter runs a packed model and a torch.mv SingleRowLinear eagerly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from minivllm.model import ContiguousKVCache, load_model\n"
+        "from minivllm.compile import merge_projections, pack_linear_weights, "
+        "use_matvec_for_single_rows\n"
+        f"m = load_model({str(tiny_model)!r}, dtype=torch.bfloat16)\n"
+        "merge_projections(m)\n"
+        "layer = torch.nn.Linear(64, 96).to(torch.bfloat16)\n"
+        "use_matvec_for_single_rows(layer, 'mv')\n"
+        "assert pack_linear_weights(m) > 0\n"
+        "with torch.inference_mode():\n"
+        "    cache = ContiguousKVCache(m.config, 4, torch.bfloat16, 'cpu')\n"
+        "    m(torch.tensor([5, 6]), torch.arange(2), cache)\n"
+        "    layer(torch.randn(1, 64, dtype=torch.bfloat16))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'an eager step imported torch._dynamo'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
