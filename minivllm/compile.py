@@ -25,8 +25,9 @@ there and their outputs are dropped. Prefill stays eager.
 The engine reaches all of it through ``CompiledRunner``, the ``ModelRunner`` variant that
 ``EngineConfig`` selects (``minivllm.engine.RUNNER_VARIANTS["compiled"]``): it merges the
 projections when it loads the model and, for a bf16 model on a CPU, packs the linears'
-weights into oneDNN's layout once (``PackedLinear``, as vLLM's CPU backend does), and runs every pure-decode step through the compiled
-graph (every other step, and a platform where compiling fails, takes notebook 03's eager path).
+weights into oneDNN's layout once (``PackedLinear``, as vLLM's CPU backend does), and
+runs every pure-decode step through the compiled graph (every other step, and a platform
+where compiling fails, takes notebook 03's eager path).
 """
 
 from __future__ import annotations
@@ -488,8 +489,9 @@ class BackgroundWarmup:
 
     ``build`` makes the CompiledDecoder in the thread too (``torch.compile`` imports dynamo,
     1.5 s here), after the runner switched the linears to ``SingleRowLinear`` itself, before
-    serving: so the thread only wraps, traces and compiles, and changes nothing the eager
-    steps use. Its warm-up batches write into the scratch block alone, which no sequence
+    serving: so the thread only wraps, traces and compiles. The one change it makes that
+    the eager steps see is ``CompiledRunner``'s packing of the weights (``PackedLinear``),
+    which computes what the plain linears did. Its warm-up batches write into the scratch block alone, which no sequence
     ever holds. What it raises is kept in ``error``, for the runner to report.
 
     While it runs, the interpreter switches threads every ``switch_interval_s`` instead of
@@ -548,7 +550,7 @@ class CompiledRunner(ModelRunner):
         self.compiled_after_s: float | None = None  # from the start of compiling to the swap
         self.eager_steps_while_compiling = 0
         if use_compile and config.compile_in_background:
-            if config.single_row_matvec:  # now, before serving: the thread switches nothing
+            if config.single_row_matvec:  # now, before serving, not in the thread
                 use_matvec_for_single_rows(self.model, choose_matvec_kernel(config.matvec_kernel)[0])
             self._warmup = BackgroundWarmup(self._pack_then_build, self.model_config.vocab_size)
             logger.info("compiling the decode step in the background; steps run eagerly "
