@@ -153,7 +153,7 @@ def started_engine(spec: str, opts: BenchOptions,
                   repeat: int = 0, idle_pids: tuple[int, ...] = ()) -> dict:
             requests = make_workload(kind, num_requests, opts.input_len, opts.output_len,
                                      seed=opts.seed, vocab_size=vocab,
-                                     range_ratio=opts.range_ratio, salt=salt)
+                                     range_ratio=opts.range_ratio, salt=salt, repeat=repeat)
             desc = f"{spec} {kind} c={concurrency}" + (" ramp" if ramp else "")
             shapes = [(len(r.prompt_token_ids), r.output_len) for r in requests]
             before_stats = session.stats() if session.stats is not None else None

@@ -45,7 +45,7 @@ def _lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[
 
 def make_workload(kind: str, num_requests: int, input_len: int, output_len: int, *,
                   seed: int = 0, vocab_size: int = 151643, range_ratio: float = 0.9,
-                  salt: int = 0) -> list[BenchRequest]:
+                  salt: int = 0, repeat: int = 0) -> list[BenchRequest]:
     """Seeded requests with random token-id prompts, identical for every engine.
 
     * ``fixed``: every prompt has ``input_len`` tokens and every output ``output_len``
@@ -57,13 +57,17 @@ def make_workload(kind: str, num_requests: int, input_len: int, output_len: int,
       (where speculative decoding's n-gram lookup pays, Milestone 8).
 
     ``salt`` (e.g. the concurrency) gives each run its own prompts, so that a prefix
-    cache warmed by an earlier run cannot flatter a later one. Token ids are drawn from
+    cache warmed by an earlier run cannot flatter a later one; ``repeat`` does the same for
+    ``--repeat N``, whose runs of a level would otherwise send one running server the same
+    prompts again (every repeat after the first then measured prefix-cache hits, not
+    prefill). Repeat 0 draws the prompts it always drew. Token ids are drawn from
     ``[0, vocab_size)``; pass the number of *regular* tokens (151643 for Qwen) so no prompt
     contains a special token.
     """
     if kind not in WORKLOADS:
         raise ValueError(f"unknown workload {kind!r}; choose from {', '.join(WORKLOADS)}")
-    rng = random.Random(f"{kind}/{seed}/{salt}")  # str seeds hash deterministically
+    key = f"{kind}/{seed}/{salt}" + (f"/repeat{repeat}" if repeat else "")
+    rng = random.Random(key)  # str seeds hash deterministically
     ratio = range_ratio if kind == "mixed" else 0.0
     input_lens = _lengths(rng, num_requests, input_len, ratio)
     output_lens = _lengths(rng, num_requests, output_len, ratio)
