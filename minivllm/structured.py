@@ -130,13 +130,14 @@ class StructuredOutputManager:
 
     def bitmask(self, seq_ids: list[int]) -> torch.Tensor:
         """(len(seq_ids), W) int32: the tokens each sequence's grammar allows next."""
-        # imported here, not with the module: llguidance.torch imports torch._dynamo (1.5 s
-        # of a server's start-up, before its first grammar; docs/decisions.md, issue 31)
-        from llguidance.torch import fill_next_token_bitmask
-
+        # The matcher writes each row straight into the tensor's memory. (What
+        # llguidance.torch.fill_next_token_bitmask does, but importing that module imports
+        # torch._dynamo: 1.5 s, and an ImportError if the compile thread is importing it at
+        # the same moment; docs/decisions.md, issue 31.)
         bitmask = torch.empty(len(seq_ids), self.num_words, dtype=torch.int32)
+        row_bytes = self.num_words * bitmask.element_size()
         for row, seq_id in enumerate(seq_ids):
-            fill_next_token_bitmask(self.matchers[seq_id], bitmask, row)
+            self.matchers[seq_id].unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
         return bitmask
 
     def apply_token_bitmask(self, logits: torch.Tensor, seqs) -> None:

@@ -253,3 +253,24 @@ def test_random_weights_follow_the_schema(random_tiny):
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_grammar_decoding_leaves_dynamo_unimported(tiny_model):
+    """Guards a race: llguidance.torch imports torch._dynamo, and importing it on the engine
+    thread while the compile thread imports it too gives a half-initialised module and an
+    ImportError. A fresh interpreter decodes under a JSON schema with the compile off and
+    must not have imported torch._dynamo."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from minivllm import LLM, SamplingParams\n"
+        "from minivllm.sampling import StructuredOutputsParams\n"
+        f"llm = LLM({str(tiny_model)!r}, compile=False, max_model_len=256, num_blocks=32)\n"
+        f"so = StructuredOutputsParams(json={json.dumps(POINTS)!r})\n"
+        "out = llm.generate('x', SamplingParams(temperature=0, max_tokens=60, "
+        "structured_outputs=so), use_tqdm=False)\n"
+        "json.loads(out[0].outputs[0].text)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'grammar decoding imported torch._dynamo'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
