@@ -121,3 +121,34 @@ def test_startup_time_drops_a_file_from_the_page_cache(tmp_path):
         pytest.skip("this filesystem keeps no page cache for the file")
     tool.drop_from_page_cache([file])
     assert resident_pages() == 0
+
+
+def test_profile_decode_step_profiles_a_prefill_step(tiny_model):
+    """tools/profile_decode_step.py --phase prefill: times the step that prefills every
+    prompt at once and lists its operators."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "profile_decode_step.py"), "--model",
+         str(tiny_model), "--phase", "prefill", "--batch", "3", "--input-len", "12",
+         "--rows", "5"], capture_output=True, text=True, timeout=300, check=True)
+    assert "3 prompts x 12 tokens: prefill step" in proc.stdout
+    assert "tokens/s at best" in proc.stdout and "Self CPU" in proc.stdout
+
+
+def test_ttft_timeline_orders_requests_by_sending_time():
+    """bench/experiments/ttft_timeline.py: one row per request, in order of sending, with
+    times from the level's start; a failed request keeps its row and its error."""
+    from minivllm.bench.metrics import BenchRequest, RequestResult
+
+    tool = load_module(REPO / "bench" / "experiments" / "ttft_timeline.py", "ttft_timeline")
+    requests = [BenchRequest([1, 2, 3], 2), BenchRequest([4], 2), BenchRequest([5, 6], 1)]
+    results = [RequestResult(3, start=10.5, chunk_times=[11.0, 11.2], end=11.2, output_tokens=2),
+               RequestResult(1, start=10.0, chunk_times=[10.25, 10.5], end=10.5, output_tokens=2),
+               RequestResult(2, start=10.6, error="HTTP 400")]
+    rows = tool.timeline(results, requests, t0=10.0)
+    assert [r["index"] for r in rows] == [1, 0, 2]
+    assert rows[0]["ttft_s"] == pytest.approx(0.25) and rows[0]["end_s"] == pytest.approx(0.5)
+    assert rows[1]["first_token_s"] == pytest.approx(1.0) and rows[1]["prompt_len"] == 3
+    assert rows[2]["error"] == "HTTP 400" and "ttft_s" not in rows[2]

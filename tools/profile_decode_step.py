@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--rows", type=int, default=18, help="operators to list")
+    ap.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                    help="profile a decode step, or the step that prefills all --batch "
+                         "prompts at once (after a warm-up prefill of other prompts)")
     ap.add_argument("--decode-attention", default="decode", choices=["decode", "group"],
                     help="decode groups through attend_decode (the default: each kv head's "
                          "query heads as its queries) or attend_group (one SDPA item per "
@@ -48,8 +51,14 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=args.compile,
                                     attention_backend=args.attention_backend,
                                     max_num_seqs=max(64, args.batch)))
+    wait_until_compiled = getattr(engine.runner, "wait_until_compiled", None)
+    if wait_until_compiled is not None:  # M7 compiles in the background: profile its step
+        wait_until_compiled()
     rng = random.Random(0)
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    if args.phase == "prefill":
+        profile_prefill(engine, args, rng)
+        return
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(1000) for _ in range(args.input_len)], params)
     while engine.scheduler.waiting:  # prefill everyone (possibly over several steps)
@@ -65,6 +74,32 @@ def main() -> None:
           f"decode step {', '.join(f'{t * 1e3:.0f}' for t in times)} ms")
     with profile() as prof:
         engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def profile_prefill(engine: LLMEngine, args, rng: random.Random) -> None:
+    """Time and profile the step that prefills ``--batch`` fresh prompts of ``--input-len``
+    tokens in one step (one flat batch; notebook 03), after two such warm-up steps."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+
+    def prefill_step(tag: str) -> float:
+        for i in range(args.batch):  # fresh tokens each time: no prefix-cache hits
+            engine.add_request(f"{tag}-{i}", [rng.randrange(1000) for _ in range(args.input_len)],
+                               params)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():
+            engine.step()
+        return elapsed
+
+    times = [prefill_step(f"warm{k}") for k in range(3)]
+    tokens = args.batch * args.input_len
+    print(f"{args.attention_backend}, {args.batch} prompts x {args.input_len} tokens: prefill "
+          f"step {', '.join(f'{t * 1e3:.0f}' for t in times)} ms "
+          f"({tokens / min(times):.0f} tokens/s at best)")
+    with profile() as prof:
+        prefill_step("profiled")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
