@@ -78,8 +78,12 @@ def main() -> None:
 
 
 def profile_prefill(engine: LLMEngine, args, rng: random.Random) -> None:
-    """Time and profile the step that prefills ``--batch`` fresh prompts of ``--input-len``
-    tokens in one step (one flat batch; notebook 03), after two such warm-up steps."""
+    """Time three steps that each prefill ``--batch`` fresh prompts of ``--input-len`` tokens
+    at once (one flat batch; notebook 03), then profile a fourth."""
+    tokens = args.batch * args.input_len
+    if tokens > engine.config.max_num_batched_tokens:  # else the "step" is only a chunk
+        raise SystemExit(f"--batch x --input-len = {tokens} tokens is more than one step holds "
+                         f"(max_num_batched_tokens {engine.config.max_num_batched_tokens})")
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
 
     def prefill_step(tag: str) -> float:
@@ -94,7 +98,6 @@ def profile_prefill(engine: LLMEngine, args, rng: random.Random) -> None:
         return elapsed
 
     times = [prefill_step(f"warm{k}") for k in range(3)]
-    tokens = args.batch * args.input_len
     print(f"{args.attention_backend}, {args.batch} prompts x {args.input_len} tokens: prefill "
           f"step {', '.join(f'{t * 1e3:.0f}' for t in times)} ms "
           f"({tokens / min(times):.0f} tokens/s at best)")
