@@ -119,7 +119,7 @@ SAMPLING_MUTANTS = {
     "noise ignores the per-request generators (race)": (
         "race", [("if gen is not None:", "if False:")]),
     "noise ignores the per-request generators": ("noise", [("if gen is not None:", "if False:")]),
-    "noise is uniform, not exponential": ("noise", [(".exponential_(", ".uniform_(")]),
+    "noise is uniform, not exponential": ("noise", [(".log_().neg_()", "")]),
     "repetition divides negative logits too": (
         "penalties", [("logits = torch.where(logits > 0, logits / scale, logits * scale)",
                        "logits = logits / scale")]),

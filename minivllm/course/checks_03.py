@@ -295,7 +295,7 @@ def check_exponential_noise(exponential_noise) -> None:
     means = q.mean(-1).tolist()
     require(all(abs(m - 1) < 0.1 for m in means), what,
             f"row means {[round(m, 3) for m in means]}; Exp(1) has mean 1",
-            "use Tensor.exponential_() (rate 1), not rand or randn")
+            "use Tensor.exponential_() (rate 1), or -log of a uniform; not rand or randn alone")
     require(not torch.equal(q[1], q[3]), what, "two unseeded rows got the same noise")
     for row, seed in enumerate(seeds):
         if seed is None:
