@@ -120,10 +120,11 @@ class LLMEngine:
     """Owns the runner, the scheduler and the output processor; ``step()`` runs one turn."""
 
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.model_path = path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(path)
         self.device = resolve_device(config.device)
+        # the defaults that depend on the device (the step's token budget), filled in once
+        self.config = config = config.with_device_defaults(self.device)
         if config.dtype == "auto":  # what the device does well, and why (for the log)
             self.dtype, why = auto_dtype(self.device, self.model_config)
         else:

@@ -199,6 +199,7 @@ def test_eos_ids_from_generation_config(tmp_path):
         ({"block_size": 0}, "block_size"),
         ({"num_blocks": -1}, "num_blocks"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"attention_backend": "flash"}, "attention_backend"),
     ],
@@ -207,6 +208,21 @@ def test_engine_config_validation(kwargs, message):
     """Guards: a bad engine option failing much later, far from its cause."""
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_step_token_budget_defaults_by_device():
+    """Guards: a CPU engine taking a GPU's 2048-token step (a 0.5B prefill chunk of 2048
+    tokens stalls every decoding sequence for over a second on two cores), and a budget
+    that was asked for being replaced by the device's default."""
+    from minivllm.config import default_max_num_batched_tokens
+
+    assert EngineConfig().max_num_batched_tokens is None  # None: chosen by the device
+    assert default_max_num_batched_tokens("cpu") == 512
+    assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 2048
+    assert EngineConfig().with_device_defaults("cpu").max_num_batched_tokens == 512
+    assert EngineConfig().with_device_defaults("cuda").max_num_batched_tokens == 2048
+    asked = EngineConfig(max_num_batched_tokens=4096)
+    assert asked.with_device_defaults("cpu") is asked
 
 
 def _config(path: Path, **changes) -> ModelConfig:

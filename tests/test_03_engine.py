@@ -48,6 +48,31 @@ def test_many_prompts_with_preemption_and_chunking_match_transformers(random_eng
     assert _all_blocks_free(llm)
 
 
+def test_cpu_engine_steps_512_tokens_by_default(tiny_model):
+    """Guards: the step's token budget that EngineConfig leaves to the device not reaching the
+    scheduler (None there would admit nothing), and a CPU engine taking a GPU's 2048-token
+    step: a wave of 4 prompts of 300 tokens is prefilled 512 tokens a step, so the first
+    prompts get their first token steps before the last."""
+    llm = LLM(str(tiny_model), device="cpu", compile=False, max_model_len=512)
+    engine = llm.engine
+    assert engine.config.max_num_batched_tokens == 512
+    assert engine.scheduler.max_num_batched_tokens == 512
+    for i, prompt in enumerate(_random_prompts(1, 4, 1)):
+        engine.add_request(str(i), {"prompt_token_ids": (prompt * 300)[:300]},
+                           SamplingParams(max_tokens=4, **GREEDY))
+    first_token_step, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        planned = engine.scheduler.max_num_batched_tokens
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token_step.setdefault(out.request_id, step)
+        assert engine.stats.max_batched_tokens <= planned
+    assert engine.stats.max_batched_tokens == 512  # 1200 prompt tokens: full 512-token steps
+    # step 1: prompt 0 and 212 tokens of 1; step 2: a decode, 1's 88, 2's 300, 123 of 3
+    assert sorted(first_token_step.values()) == [1, 2, 2, 3], first_token_step
+
+
 def test_bundled_model_batch_matches_transformers(tiny_model):
     from minivllm.tokenizer import Tokenizer
 

@@ -95,7 +95,10 @@ def test_probe_record_gives_the_fraction_against_both_rates(tiny_model):
     probe = RooflineProbe(ModelConfig.from_pretrained(tiny_model), torch.float32, "cpu")
     requests = [(8, 4), (12, 6)]
     assert probe.rows(requests, 2) == {"decode": 2, "prefill": 20}  # both prompts in one step
-    assert probe.rows(requests * 200, 400)["prefill"] == 2048  # at most one step's tokens
+    # at most one step's tokens: the engine's default step on that device (512 on a CPU)
+    assert probe.rows(requests * 200, 400)["prefill"] == 512
+    cuda = RooflineProbe(ModelConfig.from_pretrained(tiny_model), torch.float32, "cuda")
+    assert cuda.rows(requests * 200, 400)["prefill"] == 2048
     before, after = {"prefill": 20.0, "decode": 5.0}, {"prefill": 10.0, "decode": 4.0}
     entry = probe.record(requests, {"decode": 2, "prefill": 10}, before, after, 100.0)
     slow = workload_roofline(requests, 10e9, 4e9, probe.mc)

@@ -271,7 +271,7 @@ def _transformers_serve(opts: BenchOptions, device: str) -> Iterator[Session | N
     dtype = _resolved_dtype(opts, device)
     num_blocks = max_batch_tokens = None
     if not device.startswith("cuda"):
-        config = EngineConfig(model=path, **opts.engine_options)
+        config = EngineConfig(model=path, **opts.engine_options).with_device_defaults(device)
         num_blocks, max_batch_tokens = transformers_serve_kv(ModelConfig.from_pretrained(path),
                                                              getattr(torch, dtype), config)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -16,7 +16,8 @@ alone on a machine whose speed drifts. Both halves are measured, not looked up:
   order, with weights too many for the caches, so they stream from memory as in a real step
   — at a given number of rows and times the pass. A decode step at concurrency c is c rows.
   A prefill is as many rows as the prompt tokens an engine can batch into one step: all the
-  prompts in flight, up to ``PREFILL_ROWS_CAP`` (the engine's default step budget). Big
+  prompts in flight, up to one step of the engine on that device
+  (``default_max_num_batched_tokens``: 512 tokens on a CPU, 2048 on a GPU). Big
   matmuls run several times faster per FLOP than decode-sized ones (on the 2-core CPU of
   this project: ~155 GFLOP/s at 1024 rows against ~60 at 32), so charging prompts at the
   decode rate would understate the ceiling.
@@ -38,11 +39,10 @@ import time
 
 import torch
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, default_max_num_batched_tokens
 
 STREAM_BYTES = 256 * 2**20  # per weight shape: far beyond any CPU cache, so weights stream
 PASS_FLOPS = 4e10  # a timed pass covers as many layers as fit in this (all, for decode shapes)
-PREFILL_ROWS_CAP = 2048  # EngineConfig.max_num_batched_tokens' default: one step's tokens
 
 
 def linear_shapes(mc: ModelConfig) -> list[tuple[str, int, int, int]]:
@@ -167,7 +167,8 @@ class RooflineProbe:
         """The decode shape is the concurrency; the prefill shape the prompt tokens of all
         the requests in flight (``concurrency`` × the mean prompt), up to one engine step."""
         prompts = round(statistics.fmean(p for p, _ in requests) * min(concurrency, len(requests)))
-        return {"decode": max(1, concurrency), "prefill": max(1, min(prompts, PREFILL_ROWS_CAP))}
+        step = default_max_num_batched_tokens(self.device)
+        return {"decode": max(1, concurrency), "prefill": max(1, min(prompts, step))}
 
     def measure(self, rows: dict[str, int]) -> dict[str, float]:
         """GFLOP/s at each shape (one measurement when both shapes are the same)."""
