@@ -20,14 +20,20 @@ and block counts: inputs are padded up to the bucket, so each bucket replays one
 
 Padding rows (to reach a bucket, or at least 2 rows so that dynamo never specialises on a
 batch of 1) point at a *scratch block* the block manager never hands out: their writes land
-there and their outputs are dropped. Prefill stays eager.
+there and their outputs are dropped.
+
+A step that holds a prompt chunk (a prefill, or decodes beside a chunk) is a flat batch of T
+tokens whose attention needs notebook 06's groups and masks, built in Python per step. There
+each layer is compiled *around* its attention call (``CompiledFlatStep``): the norms,
+projections, RoPE and MLP as two graphs with T symbolic, shared by every layer, and notebook
+06's attention eagerly between them.
 
 The engine reaches all of it through ``CompiledRunner``, the ``ModelRunner`` variant that
 ``EngineConfig`` selects (``minivllm.engine.RUNNER_VARIANTS["compiled"]``): it merges the
 projections when it loads the model and, for a bf16 model on a CPU, packs the linears'
-weights into oneDNN's layout once (``PackedLinear``, as vLLM's CPU backend does), and
-runs every pure-decode step through the compiled graph (every other step, and a platform
-where compiling fails, takes notebook 03's eager path).
+weights into oneDNN's layout once (``PackedLinear``, as vLLM's CPU backend does), runs
+every pure-decode step through the compiled graph and every other step through the flat
+step's graphs (a platform where compiling fails takes notebook 03's eager path).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from torch import nn
 
 from minivllm.attention import attend_decode, gather_blocks
 from minivllm.config import MATVEC_KERNELS, cpu_flags
-from minivllm.model import MLP, Attention
+from minivllm.kv_cache import AttentionMetadata
+from minivllm.model import MLP, Attention, AttentionFn, apply_rope, rope_cos_sin
 from minivllm.runner import ModelRunner, num_prompt_tokens
 from minivllm.sampling import (
     GREEDY_EPS,
@@ -290,14 +297,16 @@ _next_handle = itertools.count()
 
 
 @torch.library.custom_op("minivllm::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, out_features: int,
+def packed_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """(..., K) rows times the weight packed under ``handle`` -> (..., N), through oneDNN.
 
     A custom op taking an index: the packed weight is an opaque ``torch._mkldnn`` tensor
     that dynamo cannot trace, and inductor's own lowering of ``_linear_pointwise`` accepts
-    only weights frozen into the graph."""
-    return _packed_matmul(x, handle, bias)
+    only weights frozen into the graph. The index is a 0-d tensor, not an int: dynamo would
+    bake an int into the graph as a constant, and a graph of one layer (``CompiledFlatStep``)
+    could then not serve the next."""
+    return _packed_matmul(x, int(handle), bias)
 
 
 def _packed_matmul(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -324,6 +333,8 @@ class PackedLinear(nn.Module):
         _PACKED_WEIGHTS[self.handle] = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach(), self.ROWS_HINT)
         weakref.finalize(self, _PACKED_WEIGHTS.pop, self.handle, None)  # freed with the module
+        # the same index as a buffer: an input of a compiled graph, not a constant of it
+        self.register_buffer("handle_tensor", torch.tensor(self.handle), persistent=False)
 
     @property
     def packed_bytes(self) -> int:
@@ -331,7 +342,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # (..., out): one opaque kernel for inductor
-            return packed_linear(x, self.handle, self.out_features, self.bias)
+            return packed_linear(x, self.handle_tensor, self.out_features, self.bias)
         # Eagerly, the op itself: a custom op's first eager call imports torch._dynamo, and
         # that import racing the compile thread's own fails (a circular import, half done).
         return _packed_matmul(x, self.handle, self.bias)
@@ -362,13 +373,78 @@ def pack_linear_weights(model: nn.Module) -> int:
     return swapped
 
 
+def before_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to its attention call: x (T, hidden) -> q (T, Hq, D), k, v (T, Hkv, D)."""
+    attn, t = layer.self_attn, x.shape[0]
+    q, k, v = attn.project_qkv(layer.input_layernorm(x))
+    q = q.view(t, attn.n_heads, attn.head_dim)
+    k = k.view(t, attn.n_kv_heads, attn.head_dim)
+    v = v.view(t, attn.n_kv_heads, attn.head_dim)
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def after_attention(layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: x (T, hidden), attention's output (T, Hq, D) -> x (T, hidden)."""
+    x = x + layer.self_attn.o_proj(attn_out.flatten(1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def flat_hidden(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionFn, before: Callable = before_attention,
+                after: Callable = after_attention) -> torch.Tensor:
+    """The model's forward, each layer as ``before`` -> ``attn`` -> ``after``: (T,) -> (T, hidden)."""
+    x = model.model.embed_tokens(input_ids)  # (T, hidden)
+    cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta)
+    for layer in model.model.layers:
+        q, k, v = before(layer, x, cos, sin)
+        x = after(layer, x, attn(layer.self_attn.layer_idx, q, k, v))
+    return model.model.norm(x)
+
+
+class CompiledFlatStep:
+    """Any step's flat batch (prompt chunks, decodes, or both: T new tokens) through the model
+    with the two halves of every layer compiled (``flat_hidden``); attention stays eager."""
+
+    def __init__(self, model: nn.Module, attention: Callable[[AttentionMetadata], AttentionFn]):
+        self.model = model
+        self.attention = attention  # a step's metadata -> its attention function (notebook 06)
+        self._before = torch.compile(before_attention, dynamic=True)
+        self._after = torch.compile(after_attention, dynamic=True)
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               attn: AttentionFn) -> torch.Tensor:
+        """(T,) ids and positions, T >= 2 -> (T, hidden), writing the step's k/v through attn."""
+        return flat_hidden(self.model, input_ids, positions, attn, self._before, self._after)
+
+    @torch.inference_mode()  # the engine steps in inference mode: compile for that mode
+    def warmup(self, block_size: int, scratch_block: int, device: torch.device) -> float:
+        """Compile both graphs: one new token beside a 10-token chunk (T = 11, a size no other
+        dimension has), every k/v written into the scratch block."""
+        start = time.perf_counter()
+        table = [scratch_block] * -(-10 // block_size)  # every block of both: the scratch block
+        metadata = AttentionMetadata.build([table, table], [0, 0], [1, 10], block_size, device,
+                                           pad_block=scratch_block)
+        positions = torch.tensor([0, *range(10)], device=device)
+        self.hidden(torch.zeros(11, dtype=torch.long, device=device), positions,
+                    self.attention(metadata))
+        seconds = time.perf_counter() - start
+        logger.info("compile warm-up: the flat step (prefill and mixed batches): %.1f s", seconds)
+        return seconds
+
+
 class CompiledDecoder:
-    """Owns the compiled decode functions and pads batches into their buckets."""
+    """Owns the compiled decode functions and pads batches into their buckets; given the
+    runner's attention (``flat_attention``), the compiled flat step for every other step too."""
 
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, block_size: int,
                  scratch_block: int, device: torch.device, single_row_matvec: bool = True,
-                 matvec_kernel: str = "auto"):
+                 matvec_kernel: str = "auto",
+                 flat_attention: Callable[[AttentionMetadata], AttentionFn] | None = None):
         self.model, self.kv, self.block_size = model, kv, block_size
+        self.flat = CompiledFlatStep(model, flat_attention) if flat_attention else None
         self.scratch_block = scratch_block
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -433,7 +509,7 @@ class CompiledDecoder:
     @torch.inference_mode()  # the engine decodes in inference mode: compile for that mode
     def warmup(self, vocab_size: int) -> float:
         """Compile every graph up front: batch 1 (its own graph on CPU) at two table widths,
-        then batch shapes 2 and 3, which make the sizes dynamic."""
+        then batch shapes 2 and 3, which make the sizes dynamic; then the flat step's two."""
         start = time.perf_counter()
         shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
         for rows, width in [*shapes, (2, 2), (3, 3)]:
@@ -447,6 +523,8 @@ class CompiledDecoder:
                 torch.cuda.synchronize(self.device)
             logger.info("compile warm-up: batch %d%s, block table %d: %.1f s", rows,
                         "" if rows == 1 else "+ (dynamic)", width, time.perf_counter() - shape_start)
+        if self.flat is not None:
+            self.flat.warmup(self.block_size, self.scratch_block, self.device)
         self.compile_seconds = time.perf_counter() - start
         logger.info("compiled the decode step in %.1f s (inductor's cache: %s)",
                     self.compile_seconds, _inductor_cache_dir())
@@ -471,11 +549,13 @@ def _warn_eager(exc: Exception) -> None:
 
 def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scratch_block: int,
                 device: torch.device, vocab_size: int, single_row_matvec: bool = True,
-                matvec_kernel: str = "auto") -> CompiledDecoder | None:
+                matvec_kernel: str = "auto",
+                flat_attention: Callable[[AttentionMetadata], AttentionFn] | None = None,
+                ) -> CompiledDecoder | None:
     """A warmed-up CompiledDecoder, or None (with one clear warning) where compiling fails."""
     try:
         decoder = CompiledDecoder(model, kv, block_size, scratch_block, device, single_row_matvec,
-                                  matvec_kernel)
+                                  matvec_kernel, flat_attention)
         decoder.warmup(vocab_size)
         return decoder
     except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)
@@ -539,7 +619,11 @@ class CompiledRunner(ModelRunner):
     ``EngineConfig.pack_linear_weights`` packs a bf16 CPU model's linears for oneDNN
     (``pack_linear_weights``, ~2 s for the 0.5B model here): in that thread too when it
     compiles in the background, else before the first step. A packed linear computes what
-    the plain one did, so eager steps meanwhile may run with some linears packed."""
+    the plain one did, so eager steps meanwhile may run with some linears packed.
+
+    ``EngineConfig.compile_flat_steps`` compiles the flat step too (``CompiledFlatStep``),
+    with the decode step and swapped in with it: every step that is not a pure decode runs
+    its layers through it (``hidden_states``), attention eagerly between the two halves."""
 
     def __init__(self, config, *args) -> None:
         super().__init__(config, *args)  # loads (and merges) the model, sizes the pool
@@ -562,7 +646,8 @@ class CompiledRunner(ModelRunner):
                                         self.num_blocks, self.device,
                                         self.model_config.vocab_size,
                                         single_row_matvec=config.single_row_matvec,
-                                        matvec_kernel=config.matvec_kernel)
+                                        matvec_kernel=config.matvec_kernel,
+                                        flat_attention=self._flat_attention())
             if self._decoder is not None:
                 self.compile_seconds = self.compiled_after_s = self._decoder.compile_seconds
 
@@ -582,7 +667,15 @@ class CompiledRunner(ModelRunner):
         self.pack_weights()
         c = self.config
         return CompiledDecoder(self.model, self.pool.kv, c.block_size, self.num_blocks,
-                               self.device, c.single_row_matvec, c.matvec_kernel)
+                               self.device, c.single_row_matvec, c.matvec_kernel,
+                               self._flat_attention())
+
+    def _flat_attention(self) -> Callable[[AttentionMetadata], AttentionFn] | None:
+        """What the flat step attends with (notebook 06's backend over this pool), or None
+        when ``compile_flat_steps`` is off."""
+        if not self.config.compile_flat_steps:
+            return None
+        return lambda metadata: self.attention_cls(self.pool, metadata)
 
     @property
     def decoder(self) -> CompiledDecoder | None:
@@ -631,7 +724,7 @@ class CompiledRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """A pure-decode step (one new token per sequence, its last) through the compiled
-        graph; any other step the eager way (notebook 03)."""
+        graph; any other step notebook 03's way, its layers through ``hidden_states``."""
         decoder = self.decoder  # read once: a swap lands between steps, never inside one
         if decoder is None or not all(
                 n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in plan.scheduled):
@@ -644,6 +737,16 @@ class CompiledRunner(ModelRunner):
             "num_prompt_tokens_computed": num_prompt_tokens(plan.scheduled)})
         self.sample(decoder.logits(batch), seqs, out, sample_logits=self._sample_compiled)
         return out
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attn: AttentionFn) -> torch.Tensor:
+        """Every step that is not a pure decode (notebook 03's ``forward`` calls this): the
+        compiled flat step once it is built, the eager model before that, without
+        ``compile_flat_steps``, and for a step of one token (a graph of its own for T = 1)."""
+        flat = self._decoder.flat if self._decoder is not None else None  # swapped in by execute
+        if flat is None or input_ids.shape[0] < 2:
+            return super().hidden_states(input_ids, positions, attn)
+        return flat.hidden(input_ids, positions, attn)
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """The compiled step's sampler: the logits processors beside the graph, eagerly, on

@@ -179,11 +179,17 @@ class ModelRunner:
                                            inputs.num_new, self.config.block_size, self.device,
                                            pad_block=self.num_blocks)  # padding: scratch block
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
-        hidden = self.model(as_tensor(inputs.input_ids), as_tensor(inputs.positions),
-                            self.attention_cls(self.pool, metadata))  # (T, hidden)
+        hidden = self.hidden_states(as_tensor(inputs.input_ids), as_tensor(inputs.positions),
+                                    self.attention_cls(self.pool, metadata))  # (T, hidden)
         if not inputs.logits_rows:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[as_tensor(inputs.logits_rows)])  # (R, V)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attn: Callable) -> torch.Tensor:
+        """The model's forward over the flat batch: (T,) ids and positions -> (T, hidden).
+        (Notebook 07's runner compiles the layers around ``attn`` here.)"""
+        return self.model(input_ids, positions, attn)
 
     def record_prompt_logprobs(self, spans: list[tuple[Sequence, int, int]],
                                logits: torch.Tensor, out: RunnerOutput) -> None:

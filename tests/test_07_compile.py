@@ -563,3 +563,96 @@ def test_eager_packed_and_matvec_linears_leave_dynamo_unimported(tiny_model):
         "    layer(torch.randn(1, 64, dtype=torch.bfloat16))\n"
         "assert 'torch._dynamo' not in sys.modules, 'an eager step imported torch._dynamo'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _mixed_step(model, pool, block_size: int, scratch: int):
+    """A decode after 36 cached tokens beside two prompt chunks (one after 20 cached
+    tokens): T = 15 rows, with its metadata."""
+    from minivllm.kv_cache import AttentionMetadata
+
+    tables = [[0, 1, 2], [3], [4, 5]]
+    cached, new = [36, 0, 20], [1, 9, 5]
+    ids = torch.tensor([11, *range(20, 29), *range(40, 45)])
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
+    md = AttentionMetadata.build(tables, cached, new, block_size, "cpu", pad_block=scratch)
+    return ids, positions, md
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tiny_model, dtype):
+    """Guards: a graph compiled per layer (24 pairs on the 0.5B model, minutes of start-up)
+    because something per layer (a packed linear's handle as an int) became a constant of
+    the graph; a new token count recompiling; the two halves computing another function
+    than the model's own forward (merged and, in bf16, packed weights included)."""
+    from torch._dynamo.utils import counters
+
+    from minivllm.attention import BatchedAttention
+    from minivllm.compile import CompiledFlatStep, merge_projections, pack_linear_weights
+    from minivllm.kv_cache import KVCachePool
+    from minivllm.model import load_model
+
+    model = load_model(tiny_model, dtype=dtype)
+    merge_projections(model)
+    packed = pack_linear_weights(model) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 0
+    assert (packed > 0) == (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    mc = model.config
+    block_size, scratch = 16, 8
+    pool = KVCachePool(mc.num_hidden_layers, scratch + 1, block_size, mc.num_key_value_heads,
+                       mc.head_dim, dtype, "cpu")
+    flat = CompiledFlatStep(model, lambda md: BatchedAttention(pool, md))
+    graphs = counters["stats"]["unique_graphs"]
+    flat.warmup(block_size, scratch, torch.device("cpu"))
+    # two graphs for all layers (none: an earlier test compiled the same halves already)
+    assert mc.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] - graphs <= 2
+    graphs = counters["stats"]["unique_graphs"]
+    pool.kv.normal_()
+    saved = pool.kv.clone()
+    ids, positions, md = _mixed_step(model, pool, block_size, scratch)
+    with torch.inference_mode():
+        eager = model(ids, positions, BatchedAttention(pool, md))
+        eager_kv, _ = pool.kv.clone(), pool.kv.copy_(saved)
+        got = flat.hidden(ids, positions, BatchedAttention(pool, md))
+        for t in (2, 33):  # other token counts: the same graphs
+            md_t = type(md).build([[0, 1, 2]], [0], [t], block_size, "cpu", pad_block=scratch)
+            flat.hidden(torch.arange(t), torch.arange(t), BatchedAttention(pool, md_t))
+    tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0, "atol": 0.1}
+    torch.testing.assert_close(got, eager, **tolerance)
+    assert counters["stats"]["unique_graphs"] == graphs, "a new token count recompiled"
+    pool.kv.copy_(saved)
+    with torch.inference_mode():  # the same keys and values written into the pool
+        flat.hidden(ids, positions, BatchedAttention(pool, md))
+    torch.testing.assert_close(pool.kv, eager_kv, **tolerance)
+
+
+def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, random_engine_model):
+    """Guards: EngineConfig.compile_flat_steps (and so --no-compile-flat-steps) not reaching
+    the runner; a step of one token taking the flat graphs (dynamo would compile a graph of
+    its own for T = 1); prefill chunks through the flat step changing a greedy request."""
+    from torch._dynamo.utils import counters
+
+    from minivllm.kv_cache import AttentionMetadata
+
+    runner = compiled_random.engine.runner
+    assert runner.decoder.flat is not None  # compile_flat_steps defaults to on
+    calls = []
+    flat_hidden = runner.decoder.flat.hidden
+    runner.decoder.flat.hidden = lambda *args: calls.append(len(args[0])) or flat_hidden(*args)
+    try:
+        graphs = counters["stats"]["unique_graphs"]
+        prompt = {"prompt_token_ids": [7, 70, 170, 270, 9, 33, 2, 5, 81, 401, 6, 77]}
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        tokens = compiled_random.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert calls == [12], "the prompt's prefill did not take the flat step"
+        md = AttentionMetadata.build([[0]], [3], [1], 8, "cpu", pad_block=runner.num_blocks)
+        with torch.inference_mode():
+            runner.hidden_states(torch.tensor([5]), torch.tensor([3]),
+                                 runner.attention_cls(runner.pool, md))
+        assert calls == [12], "a one-token step took the flat step"
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        runner.decoder.flat.hidden = flat_hidden
+    off = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
+              max_num_seqs=4, max_num_batched_tokens=24, compile=True,
+              compile_in_background=False, compile_flat_steps=False)
+    assert off.engine.runner.decoder is not None and off.engine.runner.decoder.flat is None
+    assert off.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens

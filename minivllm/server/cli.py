@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="answer at once, running steps eagerly while the decode step compiles, "
                         "and swap the compiled step in between two steps (notebook 07); "
                         "--no-compile-in-background compiles before serving")
+    p.add_argument("--compile-flat-steps", action=argparse.BooleanOptionalAction,
+                   default=engine.compile_flat_steps,
+                   help="with --compile: prefill and mixed steps run each layer compiled "
+                        "around its attention call (notebook 07)")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
                    help="a compiled CPU decode of one bf16 row runs its linears as a "
@@ -121,6 +125,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile,
         "compile_in_background": args.compile_in_background, "seed": args.seed,
+        "compile_flat_steps": args.compile_flat_steps,
         "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
         "merge_projections": args.merge_projections,
         "pack_linear_weights": args.pack_linear_weights,

@@ -1,0 +1,100 @@
+"""Prefill and mixed engine steps with each layer compiled around attention
+(``CompiledFlatStep``, notebook 07) against the eager model, alternated in one process.
+
+One engine, compiled as the server compiles it; each arm is one whole ``engine.step()`` of
+the same shape: fresh prompts (``--prompts``, e.g. ``128`` or ``128,128,128,128``) beside
+``--decodes`` sequences that are decoding. Between rounds the flat step is switched off
+and on again (``runner.decoder.flat``), so both arms run on the same weights, pool and
+machine minute. Run it alone on a quiet machine:
+
+    python bench/experiments/flat_step_ab.py --model checkpoints/qwen2.5-0.5b-random \\
+        --shapes "0:128;0:128,128,128,128;31:128;31:481;7:128"
+
+A shape is ``DECODES:PROMPT,PROMPT,...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.sampling import SamplingParams
+
+ARMS = ("eager", "flat step")
+
+
+def step_times(engine: LLMEngine, decodes: int, prompts: list[int], rounds: int,
+               rng: random.Random) -> dict[str, list[float]]:
+    """Per arm, ``rounds`` times one step that prefills ``prompts`` beside ``decodes``
+    decoding sequences (the decoders are kept running; each step gets fresh prompts)."""
+    runner = engine.runner
+    flat = runner.decoder.flat
+    budget = engine.scheduler.max_num_batched_tokens
+    if decodes + sum(prompts) > budget:
+        raise SystemExit(f"{decodes} decodes + {sum(prompts)} prompt tokens do not fit one "
+                         f"step of {budget} tokens")
+    long_run = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    for i in range(decodes):
+        engine.add_request(f"d{i}", [rng.randrange(1000) for _ in range(64)], long_run)
+    while engine.scheduler.waiting:  # prefill the decoders, then let them decode
+        engine.step()
+    engine.step()
+    times = {arm: [] for arm in ARMS}
+    for k in range(2 * rounds):
+        arm = ARMS[(k + k // 2) % 2]  # A B B A A B ...
+        runner.decoder.flat = flat if arm == "flat step" else None
+        for j, n in enumerate(prompts):
+            engine.add_request(f"p{k}-{j}", [rng.randrange(1000) for _ in range(n)], one_token)
+        start = time.perf_counter()
+        engine.step()
+        times[arm].append(time.perf_counter() - start)
+        while engine.scheduler.waiting or any(s.request_id.startswith("p")
+                                              for s in engine.scheduler.running):
+            engine.step()  # finish the prompts (their one token) before the next round
+    runner.decoder.flat = flat
+    for i in range(decodes):
+        engine.abort_request(f"d{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return times
+
+
+def parse_shape(text: str) -> tuple[int, list[int]]:
+    decodes, _, prompts = text.partition(":")
+    return int(decodes), [int(n) for n in prompts.split(",") if n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--shapes", default="0:128;0:128,128,128,128;31:128;31:481;7:128",
+                    help="DECODES:PROMPT,PROMPT,...; several separated by ';'")
+    ap.add_argument("--rounds", type=int, default=6)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
+                                    compile_in_background=False))
+    if engine.runner.decoder is None or engine.runner.decoder.flat is None:
+        raise SystemExit("the flat step did not compile here")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.dtype}, "
+          f"step budget {engine.scheduler.max_num_batched_tokens} tokens")
+    rng = random.Random(0)
+    for shape in args.shapes.split(";"):
+        decodes, prompts = parse_shape(shape)
+        times = step_times(engine, decodes, prompts, args.rounds, rng)
+        medians = {arm: statistics.median(v) for arm, v in times.items()}
+        detail = "  ".join(f"{arm} {medians[arm] * 1e3:6.1f} ms "
+                           f"({' '.join(f'{v * 1e3:.0f}' for v in times[arm])})" for arm in ARMS)
+        print(f"{decodes:2d} decodes + prompts {prompts}: {detail}  "
+              f"-> {medians['eager'] / medians['flat step']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
