@@ -305,8 +305,10 @@ def packed_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int,
     that dynamo cannot trace, and inductor's own lowering of ``_linear_pointwise`` accepts
     only weights frozen into the graph. The index is a 0-d tensor, not an int: dynamo would
     bake an int into the graph as a constant, and a graph of one layer (``CompiledFlatStep``)
-    could then not serve the next."""
-    return _packed_matmul(x, int(handle), bias)
+    could then not serve the next. ``tolist()`` reads it without letting go of the GIL:
+    ``int(handle)`` does (it is ``item()``), and in the server a step would then wait on the
+    HTTP thread once per linear."""
+    return _packed_matmul(x, handle.tolist(), bias)
 
 
 def _packed_matmul(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
