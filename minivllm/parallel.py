@@ -594,10 +594,12 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
 
 class WorkerRunner:
     """A worker rank's side of the runner: its shard, a KV pool of its own KV heads, rank 0's
-    attention backend (by name, from the config) — and ``ModelRunner``'s own ``forward`` and
-    ``zero_blocks``, so every rank runs exactly the step rank 0 runs."""
+    attention backend (by name, from the config) — and ``ModelRunner``'s own ``forward``
+    (with its ``hidden_states``) and ``zero_blocks``, so every rank runs exactly the step
+    rank 0 runs."""
 
     forward = ModelRunner.forward
+    hidden_states = ModelRunner.hidden_states
     zero_blocks = ModelRunner.zero_blocks
 
     def __init__(self, config: EngineConfig, model: QwenForCausalLM, device: torch.device):
