@@ -97,3 +97,24 @@ def test_cuda_seeded_sampling_compiled_equals_eager(tiny_model):
     eager = LLM(str(tiny_model), compile=False, **OPTIONS).generate(prompt, params)
     compiled = LLM(str(tiny_model), compile=True, compile_in_background=False, **OPTIONS).generate(prompt, params)
     assert compiled[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+
+
+def test_cuda_background_compile_takes_over_with_eager_tokens(tiny_model):
+    """The default, as the server and the benchmark run it: the compile (and the CUDA-graph
+    warm-up) runs in a thread of its own while steps run eagerly; once it is swapped in, the
+    engine's own thread replays graphs (CUDA graph trees keep one tree per thread, so they are
+    recorded again there) and still gives the eager tokens, with no graph skipped."""
+    from torch._dynamo.utils import counters
+
+    prompts = _prompts(8, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_model), compile=False,
+                                                 **OPTIONS).generate(requests, params)]
+    llm = LLM(str(tiny_model), compile=True, **OPTIONS)  # compile_in_background: the default
+    assert llm.engine.runner.wait_until_compiled(timeout=150), "the background compile failed"
+    counters.clear()
+    got = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+    assert got == want
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
