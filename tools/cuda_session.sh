@@ -12,7 +12,8 @@
 # and, for the server (`minivllm-server`, the product as users run it), what its imports need
 # beyond that machine's image, at the versions of the build machine's .venv, for Python 3.12
 # (add the device README's --python-version/--platform flags): fastapi starlette pydantic
-# pydantic_core annotated-types typing-inspection typing_extensions uvicorn llguidance.
+# pydantic_core annotated-types typing-inspection typing_extensions opentelemetry-api uvicorn
+# llguidance.
 #
 # then call the device tool: run(command="bash tools/cuda_session.sh", carry=[".whl"],
 # timeout_s=600). What comes back under $OUT: cuda-tests.log, cuda-bench.log, the benchmark
@@ -37,7 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 if [ -z "${ONLY_TP:-}" ]; then  # ONLY_TP=1: stage 4 alone (the device has minutes, not hours)
 # 1. CUDA tests: eager greedy vs transformers on CUDA, CUDA graphs replayed (never skipped,
 #    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager.
-timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
     2>&1 | tee "$OUT/cuda-tests.log"
 
 # 2. The CUDA benchmark: Qwen2.5-0.5B shape (random weights, real tokenizer), bf16, compiled
@@ -49,7 +50,7 @@ CKPT=/tmp/qwen2.5-0.5b-random
 timeout 90 python3 tools/make_random_checkpoint.py --shape qwen2.5-0.5b --out "$CKPT" \
     --dtype bfloat16 2>&1 | tail -3
 RESULTS="$OUT/$(date +%F)-cuda-$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())").jsonl"
-timeout 340 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
+timeout 330 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
     --output-len 128 --workloads fixed,mixed --concurrency 1,8,32 --roofline \
     --engines "minivllm[compile=True],transformers,minivllm-server,minivllm[compile=False],vllm" \
     --baseline transformers --label cuda-session --out "$RESULTS" 2>&1 | tee "$OUT/cuda-bench.log"
