@@ -86,12 +86,35 @@ def decode_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size
     return block * block_size + positions % block_size
 
 
+@torch.library.custom_op("minivllm::write_kv", mutates_args=("kv",))
+def write_kv(kv: torch.Tensor, layer_idx: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """One step's keys and values (B, n_kv, D) into layer ``layer_idx`` of the pool
+    (2, L, num_slots, n_kv, D) at ``slots`` (B,), in place, as one opaque op.
+
+    Why opaque on CUDA: inductor tries several launch configurations of a new Triton kernel
+    and, so that the trials leave no trace, first clones every buffer the kernel writes. A
+    kernel that writes into the pool would clone the whole pool, and a pool sized to the
+    GPU's free memory leaves no room for that clone (an H200 ran out of memory compiling the
+    0.5B model beside a 121 GiB pool). Inductor calls a custom op as is, never tuning it."""
+    kv[0, layer_idx].index_copy_(0, slots, k)
+    kv[1, layer_idx].index_copy_(0, slots, v)
+
+
+@write_kv.register_fake
+def _write_kv_shape(kv, layer_idx, slots, k, v) -> None:
+    return None
+
+
 class DecodeAttention:
     """Paged attention for one new token per row, built from tensors only (no Python lists)."""
 
     def __init__(self, kv: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, block_size: int):
+                 seq_lens: torch.Tensor, block_size: int, opaque_write: bool | None = None):
         self.kv = kv  # (2, L, num_slots, n_kv, D): the whole pool
+        # write_kv on CUDA; on a CPU inductor fuses the write into its C++ loop, and nothing
+        # is tuned or cloned (a test sets it to check the op on a CPU too)
+        self.opaque_write = kv.is_cuda if opaque_write is None else opaque_write
         self.slots = slots  # (B,)
         self.block_tables = block_tables  # (B, NB)
         self.block_size = block_size
@@ -99,11 +122,14 @@ class DecodeAttention:
         self.mask = (key_pos < seq_lens.unsqueeze(1)).view(seq_lens.shape[0], 1, 1, -1)  # (B,1,1,K)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Write through the pool tensor itself, not a per-layer view of it: compiled, an
-        # in-place write into a *view* of a graph input becomes a copy of the whole pool.
-        layer = torch.full_like(self.slots, layer_idx)
-        self.kv.index_put_((torch.zeros_like(self.slots), layer, self.slots), k)
-        self.kv.index_put_((torch.ones_like(self.slots), layer, self.slots), v)
+        if self.opaque_write:
+            write_kv(self.kv, layer_idx, self.slots, k, v)
+        else:
+            # Write through the pool tensor itself, not a per-layer view of it: compiled, an
+            # in-place write into a *view* of a graph input becomes a copy of the whole pool.
+            layer = torch.full_like(self.slots, layer_idx)
+            self.kv.index_put_((torch.zeros_like(self.slots), layer, self.slots), k)
+            self.kv.index_put_((torch.ones_like(self.slots), layer, self.slots), v)
         keys_cache, values_cache = self.kv[0, layer_idx], self.kv[1, layer_idx]
         keys = gather_blocks(keys_cache, self.block_tables, self.block_size)  # (B, n_kv, K, D)
         values = gather_blocks(values_cache, self.block_tables, self.block_size)

@@ -656,3 +656,43 @@ def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, ran
               compile_in_background=False, compile_flat_steps=False)
     assert off.engine.runner.decoder is not None and off.engine.runner.decoder.flat is None
     assert off.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+def test_the_opaque_kv_write_computes_the_same_step_in_place_compiled(tiny_model):
+    """``write_kv`` (the pool write a CUDA graph uses, so that inductor never tunes a kernel
+    that writes into the pool, and never clones the pool to do it), forced on a CPU: compiled,
+    it gives the inline write's logits, writes the same keys and values into the pool itself
+    (not into a copy), and inductor reinplaces it (no functional copy of the pool left)."""
+    from torch._dynamo.utils import ReinplaceCounters
+
+    from minivllm.compile import DecodeAttention
+    from minivllm.kv_cache import KVCachePool
+    from minivllm.model import load_model
+
+    def step(model, kv, input_ids, seq_lens, block_tables, block_size, opaque_write):
+        """decode_logits with the write chosen."""
+        positions = seq_lens - 1
+        slots = decode_slots(block_tables, positions, block_size)
+        attn = DecodeAttention(kv, slots, block_tables, seq_lens, block_size, opaque_write)
+        return model.compute_logits(model(input_ids, positions, attn))
+
+    model = load_model(tiny_model, dtype=torch.float32)
+    mc = model.config
+    block_size = 16
+    pool = KVCachePool(mc.num_hidden_layers, 8, block_size, mc.num_key_value_heads,
+                       mc.head_dim, torch.float32, "cpu")
+    pool.kv.normal_()
+    saved, address = pool.kv.clone(), pool.kv.data_ptr()
+    args = (torch.tensor([5, 9, 13]), torch.tensor([20, 3, 33]),
+            torch.tensor([[0, 1, 7], [2, 7, 7], [3, 4, 5]]), block_size)
+    with torch.inference_mode():
+        want = step(model, pool.kv, *args, opaque_write=False)  # eager, inline index_put_
+        want_kv = pool.kv.clone()
+        pool.kv.copy_(saved)
+        ReinplaceCounters.clear()
+        got = torch.compile(step, dynamic=True)(model, pool.kv, *args, opaque_write=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert pool.kv.data_ptr() == address
+    torch.testing.assert_close(pool.kv, want_kv, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(pool.kv, saved), "the step wrote nothing into the pool"
+    assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)

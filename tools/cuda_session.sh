@@ -38,7 +38,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 if [ -z "${ONLY_TP:-}" ]; then  # ONLY_TP=1: stage 4 alone (the device has minutes, not hours)
 # 1. CUDA tests: eager greedy vs transformers on CUDA, CUDA graphs replayed (never skipped,
 #    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager.
-timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
+echo "tests start: $(date +%T)"
+timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
     2>&1 | tee "$OUT/cuda-tests.log"
 
 # 2. The CUDA benchmark: Qwen2.5-0.5B shape (random weights, real tokenizer), bf16, compiled
@@ -50,11 +51,13 @@ CKPT=/tmp/qwen2.5-0.5b-random
 timeout 90 python3 tools/make_random_checkpoint.py --shape qwen2.5-0.5b --out "$CKPT" \
     --dtype bfloat16 2>&1 | tail -3
 RESULTS="$OUT/$(date +%F)-cuda-$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())").jsonl"
-timeout 330 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
+echo "bench start: $(date +%T)"
+timeout 380 python3 -m minivllm.bench --model "$CKPT" --dtype bfloat16 --input-len 128 \
     --output-len 128 --workloads fixed,mixed --concurrency 1,8,32 --roofline \
     --engines "minivllm[compile=True],transformers,minivllm-server,minivllm[compile=False],vllm" \
     --baseline transformers --label cuda-session --out "$RESULTS" 2>&1 | tee "$OUT/cuda-bench.log"
 
+echo "bench end: $(date +%T)"
 # 3. The achieved weight bandwidth at concurrency 1 (weight bytes x steps/s over the peak).
 python3 tools/weight_bandwidth.py "$RESULTS" 2>&1 | tee "$OUT/weight-bandwidth.txt"
 fi
