@@ -93,10 +93,12 @@ def write_kv(kv: torch.Tensor, layer_idx: int, slots: torch.Tensor, k: torch.Ten
     (2, L, num_slots, n_kv, D) at ``slots`` (B,), in place, as one opaque op.
 
     Why opaque on CUDA: inductor tries several launch configurations of a new Triton kernel
-    and, so that the trials leave no trace, first clones every buffer the kernel writes. A
-    kernel that writes into the pool would clone the whole pool, and a pool sized to the
-    GPU's free memory leaves no room for that clone (an H200 ran out of memory compiling the
-    0.5B model beside a 121 GiB pool). Inductor calls a custom op as is, never tuning it."""
+    and, so that the trials leave no trace, first saves every buffer the kernel writes: a
+    clone on the GPU, or, where that would raise the peak, a copy in pinned host memory. A
+    kernel that wrote into the pool would save the whole pool, and a pool sized to the GPU's
+    memory fits neither (on an H200 beside a 124 GiB pool the 0.5B model's compile asked for
+    124 GiB of pinned host memory, failed with "CUDA error: out of memory", and the engine
+    fell back to eager). Inductor calls a custom op as is, never tuning it."""
     kv[0, layer_idx].index_copy_(0, slots, k)
     kv[1, layer_idx].index_copy_(0, slots, v)
 

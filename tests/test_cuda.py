@@ -124,7 +124,8 @@ def test_cuda_compiles_beside_a_pool_sized_to_the_gpu(tiny_model):
     """The pool as users get it: sized to ``gpu_memory_utilization`` of the card, not to the
     tests' 256 blocks. Compiling beside it must still work: a kernel that wrote into the pool
     would be tuned by inductor on a clone of the whole pool, and there is no room for one
-    (the 0.5B model fell back to eager on an H200 that way). Last: it frees the pool after."""
+    (the 0.5B model fell back to eager on an H200 that way: the pool's save for tuning,
+    124 GiB of pinned host memory, failed). Last: it frees the pool after."""
     import gc
 
     options = {k: v for k, v in OPTIONS.items() if k != "num_blocks"}
