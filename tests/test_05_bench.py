@@ -532,6 +532,29 @@ def test_llama_server_gets_a_slot_per_client_and_our_kv_tokens(tiny_model, tmp_p
     assert transformers_serve_kv(mc, torch.float32, config)[0] == max(1, tokens // 256)
 
 
+def test_an_avx2_capped_run_starts_llama_cpp_built_for_avx2(tiny_model, tmp_path, monkeypatch,
+                                                             capsys):
+    """``ONEDNN_MAX_CPU_ISA=AVX2`` (README's approximated AVX2-only machine) holds llama.cpp to
+    AVX2 too: its own build, ``build-avx2``; missing, the row is skipped with the command that
+    builds it, even where the native build exists."""
+    from minivllm.bench.peers import llama_server_build, llama_server_executable
+
+    monkeypatch.setenv("MINIVLLM_PEERS_DIR", str(tmp_path))
+    native = tmp_path / "llama.cpp" / "build" / "bin" / "llama-server"
+    native.parent.mkdir(parents=True)
+    native.touch()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert llama_server_build() == "build" and llama_server_executable() == native
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert llama_server_build() == "build-avx2" and llama_server_executable() is None
+    assert run_benchmark(_options(tiny_model, ["llama-server"]), None) == []
+    assert "setup_llama_cpp.sh avx2" in capsys.readouterr().out
+    capped = tmp_path / "llama.cpp" / "build-avx2" / "bin" / "llama-server"
+    capped.parent.mkdir(parents=True)
+    capped.touch()
+    assert llama_server_executable() == capped
+
+
 def test_monitor_sums_a_server_process_tree_for_rss_tree():
     """vLLM serves from two processes (front end, engine core): ``rss_tree`` counts both."""
     from minivllm.bench.env import Monitor

@@ -5,6 +5,11 @@
 #
 #   bash bench/peers/setup_llama_cpp.sh                         # once; ~10 min on 2 cores
 #   bash bench/peers/setup_llama_cpp.sh convert HF_DIR OUT.gguf  # bf16 GGUF of a checkpoint
+#   bash bench/peers/setup_llama_cpp.sh avx2    # after the first: a second build held to AVX2
+#
+# The AVX2 build (build-avx2/) is what the benchmark starts when a run caps the matmul
+# libraries at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`, the approximated AVX2-only machine of README):
+# the native build would use AVX-512 where the CPU has it (peers.py, llama_server_build).
 #
 # The benchmark's `llama.cpp` engine converts the run's checkpoint on first use (cached under
 # bench/peers/llama.cpp/models/) and starts llama-server as its README says, with both cores
@@ -24,6 +29,17 @@ convert() {  # convert HF_DIR OUT.gguf
 }
 if [ "${1:-}" = convert ]; then
     convert "$2" "$3"
+    exit 0
+fi
+if [ "${1:-}" = avx2 ]; then
+    [ -f "$SRC/CMakeLists.txt" ] || { echo "run bash $0 (no argument) first" >&2; exit 1; }
+    cmake -S "$SRC" -B "$ROOT/build-avx2" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+        -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+        -DGGML_AVX512=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AMX_BF16=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >/dev/null
+    cmake --build "$ROOT/build-avx2" --target llama-server -j "$(nproc)"
+    "$ROOT/build-avx2/bin/llama-server" --version
+    echo "ready: $ROOT/build-avx2/bin/llama-server"
     exit 0
 fi
 

@@ -69,9 +69,17 @@ def vllm_cpu_env(kv_cache_bytes: int, cpus: list[int] | None = None) -> dict[str
     return env
 
 
+def llama_server_build() -> str:
+    """The llama.cpp build for this run: ``build-avx2`` when the run caps the matmul
+    libraries at AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``: an AVX2-only machine, approximated), so
+    that llama.cpp is held to AVX2 as well; else ``build``, compiled for this CPU's own ISA."""
+    return "build-avx2" if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2" else "build"
+
+
 def llama_server_executable() -> Path | None:
-    """``llama-server`` from ``bench/peers/setup_llama_cpp.sh``'s build, if it was set up."""
-    exe = peers_dir() / "llama.cpp" / "build" / "bin" / "llama-server"
+    """``llama-server`` from ``bench/peers/setup_llama_cpp.sh``'s build for this run
+    (``llama_server_build``), if it was set up."""
+    exe = peers_dir() / "llama.cpp" / llama_server_build() / "bin" / "llama-server"
     return exe if exe.exists() else None
 
 
