@@ -50,8 +50,8 @@ from minivllm.bench.metrics import BenchRequest, RequestResult
 from minivllm.bench.peers import (
     cores,
     ensure_gguf,
-    llama_server_command,
     llama_server_build,
+    llama_server_command,
     llama_server_executable,
     llama_server_payload,
     peers_dir,
