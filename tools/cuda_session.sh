@@ -37,7 +37,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=c
 
 if [ -z "${ONLY_TP:-}" ]; then  # ONLY_TP=1: stage 4 alone (the device has minutes, not hours)
 # 1. CUDA tests: eager greedy vs transformers on CUDA, CUDA graphs replayed (never skipped,
-#    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager.
+#    never recompiled) with the eager engine's tokens, seeded sampling compiled == eager, the
+#    background compile, and compiling beside a pool sized to the card (write_kv).
 echo "tests start: $(date +%T)"
 timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_cuda.py \
     2>&1 | tee "$OUT/cuda-tests.log"

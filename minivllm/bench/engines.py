@@ -342,11 +342,10 @@ def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
 
     exe = llama_server_executable()
     if exe is None or device.startswith("cuda"):
-        setup = "bash bench/peers/setup_llama_cpp.sh" + (
-            " avx2" if llama_server_build() == "build-avx2" else "")
+        build = llama_server_build()
+        setup = "bash bench/peers/setup_llama_cpp.sh" + (" avx2" if build == "build-avx2" else "")
         print("skipping llama-server: " + ("the bench runs it on the CPU only" if exe else
-              f"not set up in {peers_dir()} (no llama.cpp/{llama_server_build()}: run "
-              f"`{setup}` once)"))
+              f"not set up in {peers_dir()} (no llama.cpp/{build}: run `{setup}` once)"))
         yield None
         return
     path = resolve_model_path(opts.model)
