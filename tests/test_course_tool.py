@@ -330,3 +330,17 @@ def test_export_and_grade_exports_learner_notebook_then_runs_tests(repo: Path, m
     assert "NotImplementedError" in (repo / "minivllm" / "model.py").read_text()
     with pytest.raises(AssertionError, match="cannot find 02_y.ipynb"):
         export_and_grade("02_y.ipynb", "test_02_*.py")
+
+
+def test_random_weight_checkpoints_need_no_notebook_machinery():
+    """``minivllm.course.random_weights`` (the tests' and tools' random-weight checkpoints) is
+    usable where only the package's own dependencies are installed, as on a lent GPU machine:
+    importing it loads neither nbformat nor the course's notebook and grading modules, while
+    the course's names still resolve on first use."""
+    code = ("import sys\n"
+            "import minivllm.course.random_weights\n"
+            "loaded = {'nbformat', 'minivllm.course.notebooks', 'minivllm.course.grading'}\n"
+            "assert not loaded & set(sys.modules), loaded & set(sys.modules)\n"
+            "from minivllm.course import export_all, passed\n"
+            "assert callable(export_all) and callable(passed)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
