@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import build_checkpoint
 from hf_oracle import hf_greedy
 
+from checkpoints import build_checkpoint
 from minivllm import LLM, TINY_MODEL, SamplingParams
 from minivllm.course import checks_08
 from minivllm.kv_cache import BlockManager

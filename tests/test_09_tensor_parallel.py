@@ -31,9 +31,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from checkpoints import QWEN25_05B, build_checkpoint
 from hf_oracle import hf_greedy
 
+from checkpoints import QWEN25_05B, build_checkpoint
 from minivllm import LLM, TINY_MODEL, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.course.checks_09 import run_ranks

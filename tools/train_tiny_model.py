@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 # torch 3-4x slower; passive waiting does not change results. Must be set before importing torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -172,8 +171,8 @@ def chat_pairs(relpath: str, source: str) -> list[tuple[str, str]]:
             seg = ast.get_source_segment(source, node)
             if para and seg and len(seg) <= 700 and not node.decorator_list:
                 pairs.append(
-                    (f"Write a Python function `{node.name}` that does the following: "
-                     f"{_first_sentence(para)}.", f"```python\n{seg}\n```")
+                    ((f"Write a Python function `{node.name}` that does the following: "
+                      f"{_first_sentence(para)}."), f"```python\n{seg}\n```")
                 )
         elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
             add_doc(f"{mod}.{node.name}", node, "class")
@@ -207,7 +206,16 @@ def load_corpus(root: Path):
 
 
 def train_tokenizer(texts: list[str]):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     # Exactly Qwen2's pipeline. NFC is kept because transformers 5.x *always* rebuilds a qwen2
@@ -275,8 +283,13 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     t0 = time.time()
     root = Path(sysconfig.get_paths()["stdlib"])
