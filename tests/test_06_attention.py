@@ -133,3 +133,32 @@ def test_batched_attention_sends_decode_groups_to_attend_decode(monkeypatch):
     q, k, v = torch.randn(sum(num_new), 8, 16), torch.randn(sum(num_new), 2, 16), torch.randn(sum(num_new), 2, 16)
     BatchedAttention(pool, md)(0, q, k, v)
     assert calls == [1]  # the one decode group (4 rows); the prefill group took attend_group
+
+
+def test_fresh_prompts_attend_over_their_own_keys_without_reading_the_pool(monkeypatch):
+    """Guards: a step of fresh prompts (nothing cached) that still gathers its keys from the
+    pool and builds a mask, or whose shortcut lets a padded key or a later token through."""
+    from minivllm import attention
+
+    gathers = []
+    real = attention.gather_blocks
+    monkeypatch.setattr(attention, "gather_blocks",
+                        lambda *args: gathers.append(1) or real(*args))
+    torch.manual_seed(0)
+    lengths, block_size = [23, 9, 40], 4
+    tables = [list(range(start, start + -(-n // block_size))) for start, n in
+              zip((0, 10, 20), lengths)]
+    pool = KVCachePool(1, 40, block_size, 2, 16)
+    md = AttentionMetadata.build(tables, [0, 0, 0], lengths, block_size)
+    q = torch.randn(sum(lengths), 8, 16)
+    k, v = torch.randn(sum(lengths), 2, 16), torch.randn(sum(lengths), 2, 16)
+    out = BatchedAttention(pool, md)(0, q, k, v)
+    assert gathers == []
+    for b, n in enumerate(lengths):
+        rows = slice(md.query_start_loc[b], md.query_start_loc[b] + n)
+        assert torch.allclose(out[rows], causal_attention(q[rows], k[rows], v[rows]), atol=1e-5)
+    assert torch.equal(pool.keys(0)[md.slot_mapping], k)  # the pool still holds them
+    # the same prompts one step later, a chunk each after their cached tokens: gathered
+    md_next = AttentionMetadata.build(tables, [n - 2 for n in lengths], [2, 2, 2], block_size)
+    BatchedAttention(pool, md_next)(0, q[:6], k[:6], v[:6])
+    assert gathers == [1, 1]  # keys and values of the one chunk group

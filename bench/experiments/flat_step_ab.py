@@ -19,6 +19,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -29,12 +30,23 @@ from minivllm.sampling import SamplingParams
 ARMS = ("eager", "flat step")
 
 
+def use_flat_step(engine: LLMEngine) -> Callable[[str], None]:
+    """This experiment's switch: the arm "flat step" runs the compiled flat step, "eager" not."""
+    flat = engine.runner.decoder.flat
+
+    def use(arm: str) -> None:
+        engine.runner.decoder.flat = flat if arm == "flat step" else None
+    return use
+
+
 def step_times(engine: LLMEngine, decodes: int, prompts: list[int], rounds: int,
-               rng: random.Random) -> dict[str, list[float]]:
+               rng: random.Random, arms: tuple[str, str] = ARMS,
+               use: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Per arm, ``rounds`` times one step that prefills ``prompts`` beside ``decodes``
-    decoding sequences (the decoders are kept running; each step gets fresh prompts)."""
-    runner = engine.runner
-    flat = runner.decoder.flat
+    decoding sequences (the decoders are kept running; each step gets fresh prompts).
+    ``use(arm)`` switches the engine to an arm (default: ``use_flat_step``); the last arm
+    is left on at the end."""
+    use = use_flat_step(engine) if use is None else use
     budget = engine.scheduler.max_num_batched_tokens
     if decodes + sum(prompts) > budget:
         raise SystemExit(f"{decodes} decodes + {sum(prompts)} prompt tokens do not fit one "
@@ -46,10 +58,10 @@ def step_times(engine: LLMEngine, decodes: int, prompts: list[int], rounds: int,
     while engine.scheduler.waiting:  # prefill the decoders, then let them decode
         engine.step()
     engine.step()
-    times = {arm: [] for arm in ARMS}
+    times = {arm: [] for arm in arms}
     for k in range(2 * rounds):
-        arm = ARMS[(k + k // 2) % 2]  # A B B A A B ...
-        runner.decoder.flat = flat if arm == "flat step" else None
+        arm = arms[(k + k // 2) % 2]  # A B B A A B ...
+        use(arm)
         for j, n in enumerate(prompts):
             engine.add_request(f"p{k}-{j}", [rng.randrange(1000) for _ in range(n)], one_token)
         start = time.perf_counter()
@@ -58,7 +70,7 @@ def step_times(engine: LLMEngine, decodes: int, prompts: list[int], rounds: int,
         while engine.scheduler.waiting or any(s.request_id.startswith("p")
                                               for s in engine.scheduler.running):
             engine.step()  # finish the prompts (their one token) before the next round
-    runner.decoder.flat = flat
+    use(arms[-1])
     for i in range(decodes):
         engine.abort_request(f"d{i}")
     while engine.has_unfinished_requests():
