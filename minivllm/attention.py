@@ -11,8 +11,8 @@ gathers and 768 attention calls per decode step. Here each layer makes one call 
 * all decoding sequences (one query each) form one group: queries ``(B, 1, H, D)``;
 * all prefill chunks that follow cached tokens form another: queries padded to the longest
   chunk ``(B, Q, H, D)``;
-* all *fresh* prompts (nothing cached: a first chunk, no prefix-cache hit) form a third,
-  which reads nothing from the pool: its keys are the step's own new k/v.
+* a *fresh* prompt (nothing cached: a first chunk, no prefix-cache hit) is attended on its
+  own, over its own rows of the step's new k/v: no pool read, no mask, no padding.
 
 Keys and values are read from the pool a whole *block* at a time through the block tables —
 ``pool.view(num_blocks, block_size, ...)[block_tables]`` — which copies ``block_size``
@@ -21,7 +21,8 @@ group, and a boolean mask ``(B, 1, Q, K)`` keeps, for query i of sequence b, the
 positions ``<= seq_lens[b] - q_lens[b] + i``: causal with an offset for chunks that follow
 cached tokens (SDPA's ``is_causal`` is top-left aligned, which is wrong there). For a fresh
 prompt query i and key i are the same position, so there top-left ``is_causal`` is right: no
-gather, no mask.
+gather, no mask, and one call per fresh prompt pads nothing (prompts of 13 and 243 tokens
+in one padded group would cost 2 x 243^2 instead of 13^2 + 243^2).
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ class AttentionGroup:
 
     rows: torch.Tensor  # (B, Q) int64: row of each query in the flat batch (padding: 0)
     valid: torch.Tensor  # (B, Q) bool: which of those are real queries
-    # the pool side; both None for a group of fresh prompts, which reads no pool
-    block_tables: torch.Tensor | None  # (B, NB) int64, padded with md.pad_block (masked out)
-    mask: torch.Tensor | None  # (B, 1, Q, NB * block_size) bool: True = may attend
+    block_tables: torch.Tensor  # (B, NB) int64, padded with md.pad_block (masked out)
+    mask: torch.Tensor  # (B, 1, Q, NB * block_size) bool: True = may attend
 
 
 def build_group(md: AttentionMetadata, members: list[int], device: torch.device) -> AttentionGroup:
@@ -97,32 +97,20 @@ def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(batch, 1, num_heads, head_dim)
 
 
-def build_fresh_group(md: AttentionMetadata, members: list[int],
-                      device: torch.device) -> AttentionGroup:
-    """Prompts with nothing cached, padded to the longest: rows and valid only (no pool side)."""
-    q_lens = [md.query_start_loc[b + 1] - md.query_start_loc[b] for b in members]
-    rows = torch.zeros(len(members), max(q_lens), dtype=torch.long)  # (B, Q), padding: row 0
-    for i, b in enumerate(members):
-        start = md.query_start_loc[b]
-        rows[i, :q_lens[i]] = torch.arange(start, start + q_lens[i])
-    valid = torch.arange(rows.shape[1]) < torch.tensor(q_lens).unsqueeze(1)  # (B, Q)
-    return AttentionGroup(rows.to(device), valid.to(device), None, None)
-
-
 def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Fresh prompts over their own new keys: q (B, Q, H, D), k/v (B, Q, n_kv, D) -> (B, Q, H, D).
-
-    Query i and key i are both position i, so SDPA's top-left ``is_causal`` is exactly the
-    causal mask; a padded key (past a prompt's end) comes after every real query of that
-    prompt, so none sees it (padded queries do, and their outputs are dropped)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=True)
-    return out.transpose(1, 2)
+    """One prompt with nothing cached, over its own new keys: q (T, H, D), k/v (T, n_kv, D)
+    -> (T, H, D). Query i and key i are both position i, so SDPA's top-left ``is_causal`` is
+    exactly the causal mask: no pool read, no mask tensor, no padding."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                         k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0),
+                                         is_causal=True, enable_gqa=True)  # (1, H, T, D)
+    return out[0].transpose(0, 1)
 
 
 class BatchedAttention:
-    """One SDPA call per layer for each group of a step: decodes, fresh prompts, chunks that
-    follow cached tokens."""
+    """One SDPA call per layer for all decodes, one for all chunks that follow cached tokens,
+    and one per fresh prompt (nothing cached), which reads only its own new keys."""
 
     def __init__(self, pool: KVCachePool, metadata: AttentionMetadata):
         self.pool = pool
@@ -131,25 +119,22 @@ class BatchedAttention:
         q_lens = [metadata.query_start_loc[b + 1] - metadata.query_start_loc[b]
                   for b in range(metadata.num_seqs)]
         decodes = [b for b, n in enumerate(q_lens) if n == 1]
-        fresh = [b for b, n in enumerate(q_lens) if n > 1 and metadata.seq_lens[b] == n]
         chunks = [b for b, n in enumerate(q_lens) if n > 1 and metadata.seq_lens[b] > n]
         self.groups = [build_group(metadata, members, device)
                        for members in (decodes, chunks) if members]
-        if fresh:
-            self.groups.append(build_fresh_group(metadata, fresh, device))
+        self.fresh = [(metadata.query_start_loc[b], metadata.query_start_loc[b + 1])  # rows
+                      for b, n in enumerate(q_lens) if n > 1 and metadata.seq_lens[b] == n]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer_idx, self.metadata.slot_mapping, k, v)
         bs = self.metadata.block_size
         out = torch.empty_like(q)  # (T, H, D)
         for g in self.groups:
-            if g.mask is None:  # fresh prompts: keys and values are this step's own
-                o = attend_fresh(q[g.rows], k[g.rows], v[g.rows])  # (B, Q, H, D)
-                out[g.rows[g.valid]] = o[g.valid]
-                continue
             keys = gather_blocks(self.pool.keys(layer_idx), g.block_tables, bs)
             values = gather_blocks(self.pool.values(layer_idx), g.block_tables, bs)
             attend = attend_decode if g.mask.shape[2] == 1 else attend_group  # Q == 1: decodes
             o = attend(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
             out[g.rows[g.valid]] = o[g.valid]
+        for start, end in self.fresh:  # fresh prompts: their keys are their own new ones
+            out[start:end] = attend_fresh(q[start:end], k[start:end], v[start:end])
         return out

@@ -99,8 +99,14 @@ MUTANTS = {
         ["batched_attention"],
         [("out[g.rows[g.valid]] = o[g.valid]", "out[g.rows.flatten()] = o.flatten(0, 1)")]),
     "decodes and prefill chunks in one group, decodes only": (
-        ["batched_attention"], [("for members in (decodes, prefills) if members]",
+        ["batched_attention"], [("for members in (decodes, chunks) if members]",
                                  "for members in (decodes,) if members]")]),
+    # the fresh-prompt path
+    "fresh prompts attended without the causal mask": (
+        ["batched_attention"], [("is_causal=True, enable_gqa=True)", "enable_gqa=True)")]),
+    "a chunk after cached tokens taken for a fresh prompt (its cached keys ignored)": (
+        ["batched_attention"], [("n > 1 and metadata.seq_lens[b] == n]",
+                                 "n > 1 and metadata.seq_lens[b] >= n]")]),
 }
 
 

@@ -1,14 +1,14 @@
-"""Prefill steps with notebook 06's fresh-prompt group (``attend_fresh``: a prompt with nothing
-cached attends over its own new keys, SDPA ``is_causal``, no pool read, no mask) against the
-same backend with fresh prompts sent through the gathered, masked group as before, alternated
-in one process.
+"""Prefill steps with notebook 06's fresh-prompt path (``attend_fresh``: each prompt with
+nothing cached attends over its own new keys, SDPA ``is_causal``, no pool read, no mask, no
+padding) against the same backend with fresh prompts sent through the gathered, masked,
+padded prefill group as before, alternated in one process.
 
 One engine, compiled as the server compiles it (the flat step calls the attention backend
 eagerly between its compiled halves, so switching ``runner.attention_cls`` switches the arm
 for the next step). Shapes and rounds as in ``flat_step_ab.py``. Run it alone:
 
     python bench/experiments/fresh_prompt_ab.py --model checkpoints/qwen2.5-0.5b-random \\
-        --shapes "0:128;0:512;0:128,128,128,128;31:128;7:481"
+        --shapes "0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481"
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from minivllm.attention import BatchedAttention, build_group
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 
-ARMS = ("gathered", "fresh group")
+ARMS = ("gathered", "fresh path")
 
 
 class GatheredFreshPrompts(BatchedAttention):
@@ -38,13 +38,14 @@ class GatheredFreshPrompts(BatchedAttention):
                    [b for b, n in enumerate(q_lens) if n > 1])
         self.groups = [build_group(metadata, m, metadata.slot_mapping.device)
                        for m in members if m]
+        self.fresh = []
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--shapes", default="0:128;0:512;0:128,128,128,128;31:128;7:481")
+    ap.add_argument("--shapes", default="0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481")
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
@@ -54,7 +55,7 @@ def main() -> None:
         raise SystemExit("this engine does not run notebook 06's BatchedAttention")
 
     def use(arm: str) -> None:
-        runner.attention_cls = BatchedAttention if arm == "fresh group" else GatheredFreshPrompts
+        runner.attention_cls = BatchedAttention if arm == "fresh path" else GatheredFreshPrompts
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.dtype}, "
           f"step budget {engine.scheduler.max_num_batched_tokens} tokens")
@@ -66,7 +67,7 @@ def main() -> None:
         detail = "  ".join(f"{arm} {medians[arm] * 1e3:6.1f} ms "
                            f"({' '.join(f'{v * 1e3:.0f}' for v in times[arm])})" for arm in ARMS)
         print(f"{decodes:2d} decodes + prompts {prompts}: {detail}  "
-              f"-> {medians['gathered'] / medians['fresh group']:.2f}x")
+              f"-> {medians['gathered'] / medians['fresh path']:.2f}x")
 
 
 if __name__ == "__main__":
