@@ -12,11 +12,14 @@ process (run it alone; on 2 cores anything else running changes the answer):
 * ``engine``: two engines, the default (packed weights) and one with plain weights and
   inductor's loop for one row (``pack_linear_weights=False, matvec_kernel="inductor"``),
   alternating whole greedy requests; the compiled call inside each is timed too.
+* ``fusion``: the lm_head's weight at one row through inductor's loop, its input the final
+  RMSNorm computed in the same graph (inductor inlines the norm into the loop, as in the
+  engine's step) against an input computed beforehand, and the packed oneDNN linear.
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
     python bench/experiments/one_row_routes.py --model checkpoints/qwen2.5-0.5b-random \\
-        --parts linears,step,engine,sdpa
+        --parts linears,step,engine,fusion,sdpa
 """
 
 from __future__ import annotations
@@ -132,19 +135,55 @@ def part_engine(model_path: str, pairs: int) -> None:
               f"{statistics.median(calls[name]) * 1e3:.1f} ms")
 
 
+def part_fusion(rounds: int) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB, 896, dtype=torch.bfloat16) * 0.02
+    gain = torch.ones(896, dtype=torch.bfloat16)
+    x = torch.randn(1, 896, dtype=torch.bfloat16)
+
+    def rms_norm(x: torch.Tensor) -> torch.Tensor:  # (1, 896), as the model's final norm
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * gain
+
+    norm_then_mv = torch.compile(lambda x: torch.mv(weight, rms_norm(x)[0]), dynamic=False)
+    mv_only = torch.compile(lambda xn: torch.mv(weight, xn[0]), dynamic=False)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    with torch.inference_mode():
+        xn = rms_norm(x)
+        routes = {"norm inlined into inductor's loop": lambda: norm_then_mv(x),
+                  "inductor's loop, input ready": lambda: mv_only(xn),
+                  "packed oneDNN, input ready": lambda: torch.ops.mkldnn._linear_pointwise(
+                      xn, packed, None, "none", [], "")}
+        times = {name: [] for name in routes}
+        for _ in range(rounds):  # round by round, so that a drift falls on every route
+            for name, route in routes.items():
+                times[name].append(_median_ms(route, 5))
+    for name, ms in times.items():
+        print(f"lm_head, one row: {name:34s} {statistics.median(ms):6.2f} ms")
+
+
+def sdpa_routes(t: int) -> dict:
+    """SDPA's routes for one fresh prompt of ``t`` tokens: (1, 14, t, 64) queries, 2 kv heads."""
+    q = torch.randn(1, 14, t, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, t, 64, dtype=torch.bfloat16) for _ in range(2))
+    k_rep, v_rep = k.repeat_interleave(7, 1), v.repeat_interleave(7, 1)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    sdpa = F.scaled_dot_product_attention
+    return {"causal, enable_gqa": lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+            "causal, kv repeated": lambda: sdpa(q, k_rep, v_rep, is_causal=True),
+            "bool mask, enable_gqa": lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)}
+
+
 def part_sdpa(rounds: int) -> None:
     for t in (128, 512):
-        q = torch.randn(1, 14, t, 64, dtype=torch.bfloat16)
-        k, v = (torch.randn(1, 2, t, 64, dtype=torch.bfloat16) for _ in range(2))
-        k_rep, v_rep = k.repeat_interleave(7, 1), v.repeat_interleave(7, 1)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        sdpa = F.scaled_dot_product_attention
-        routes = {"causal, enable_gqa": lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True),
-                  "causal, kv repeated": lambda: sdpa(q, k_rep, v_rep, is_causal=True),
-                  "bool mask, enable_gqa": lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)}
+        routes = sdpa_routes(t)
         flops = 2 * 2 * 14 * t * t * 64 / 2  # q.k and p.v over the causal half
-        for name, route in routes.items():
-            ms = statistics.median(_median_ms(route, 20) for _ in range(rounds))
+        times = {name: [] for name in routes}
+        for _ in range(rounds):
+            for name, route in routes.items():
+                times[name].append(_median_ms(route, 20))
+        for name in routes:
+            ms = statistics.median(times[name])
             print(f"sdpa, {t} tokens, bf16: {name:22s} {ms * 1e3:7.0f} us  "
                   f"{flops / ms / 1e6:5.0f} GFLOP/s")
 
@@ -152,7 +191,7 @@ def part_sdpa(rounds: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/qwen2.5-0.5b-random")
-    p.add_argument("--parts", default="linears,step,engine,sdpa")
+    p.add_argument("--parts", default="linears,step,engine,fusion,sdpa")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--pairs", type=int, default=20)
     args = p.parse_args()
@@ -164,6 +203,8 @@ def main() -> None:
             part_step(args.model, args.pairs)
         elif part == "engine":
             part_engine(args.model, max(2, args.pairs // 4))
+        elif part == "fusion":
+            part_fusion(args.rounds)
         elif part == "sdpa":
             part_sdpa(args.rounds)
         else:
