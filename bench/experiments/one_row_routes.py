@@ -15,11 +15,15 @@ process (run it alone; on 2 cores anything else running changes the answer):
 * ``fusion``: the lm_head's weight at one row through inductor's loop, its input the final
   RMSNorm computed in the same graph (inductor inlines the norm into the loop, as in the
   engine's step) against an input computed beforehand, and the packed oneDNN linear.
+* ``materialised``: the compiled one-row step as the engine builds it (packed weights)
+  against a second engine's model with plain weights whose every linear, at one row, runs
+  inductor's loop on an input first materialised by an opaque op (so that no producer is
+  inlined into the loop), alternated step by step.
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
     python bench/experiments/one_row_routes.py --model checkpoints/qwen2.5-0.5b-random \\
-        --parts linears,step,engine,fusion,sdpa
+        --parts linears,step,engine,fusion,materialised,sdpa
 """
 
 from __future__ import annotations
@@ -162,6 +166,57 @@ def part_fusion(rounds: int) -> None:
         print(f"lm_head, one row: {name:34s} {statistics.median(ms):6.2f} ms")
 
 
+@torch.library.custom_op("experiment::materialise", mutates_args=())
+def materialise(x: torch.Tensor) -> torch.Tensor:
+    """A copy inductor cannot see into: its input is computed into a buffer first."""
+    return x.clone()
+
+
+@materialise.register_fake
+def _materialise_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def part_materialised(model_path: str, pairs: int) -> None:
+    from minivllm import LLM
+    from minivllm.compile import (
+        CompiledDecoder,
+        DecodeInputs,
+        SingleRowLinear,
+        use_matvec_for_single_rows,
+    )
+
+    class MaterialisedRowLinear(SingleRowLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling():
+                out = torch.mv(self.weight, materialise(x)[0]).unsqueeze(0)  # (1, out)
+                return out if self.bias is None else out + self.bias
+            return super().forward(x)
+
+    engine = LLM(model_path, compile_in_background=False).engine
+    default = engine.runner.decoder
+    model = LLM(model_path, compile=False, pack_linear_weights=False).engine.runner.model
+    use_matvec_for_single_rows(model, "inductor")
+    for module in model.modules():
+        if type(module) is SingleRowLinear:
+            module.__class__ = MaterialisedRowLinear
+    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
+                              engine.num_blocks, engine.device)
+    variant.warmup(engine.model_config.vocab_size)
+    blocks = -(-160 // engine.config.block_size)
+    batch = DecodeInputs([5], [160], [list(range(blocks))])
+    sides = {"packed": default, "plain, materialised inputs": variant}
+    with torch.inference_mode():
+        a, b = default.logits(batch), variant.logits(batch)
+        print(f"max |logits difference| {float((a - b).abs().max()):.3g}, same argmax: "
+              f"{bool((a.argmax(-1) == b.argmax(-1)).all())}")
+        times = alternate(sides, lambda d: d.logits(batch), pairs)
+    ratios = [b / a for a, b in zip(times["packed"], times["plain, materialised inputs"])]
+    print("one-row compiled step, context 160: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items())
+        + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+
+
 def sdpa_routes(t: int) -> dict:
     """SDPA's routes for one fresh prompt of ``t`` tokens: (1, 14, t, 64) queries, 2 kv heads."""
     q = torch.randn(1, 14, t, 64, dtype=torch.bfloat16)
@@ -191,7 +246,7 @@ def part_sdpa(rounds: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/qwen2.5-0.5b-random")
-    p.add_argument("--parts", default="linears,step,engine,fusion,sdpa")
+    p.add_argument("--parts", default="linears,step,engine,fusion,materialised,sdpa")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--pairs", type=int, default=20)
     args = p.parse_args()
@@ -205,6 +260,8 @@ def main() -> None:
             part_engine(args.model, max(2, args.pairs // 4))
         elif part == "fusion":
             part_fusion(args.rounds)
+        elif part == "materialised":
+            part_materialised(args.model, args.pairs)
         elif part == "sdpa":
             part_sdpa(args.rounds)
         else:
