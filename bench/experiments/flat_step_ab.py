@@ -95,17 +95,24 @@ def main() -> None:
                                     compile_in_background=False))
     if engine.runner.decoder is None or engine.runner.decoder.flat is None:
         raise SystemExit("the flat step did not compile here")
+    run_shapes(engine, args.shapes, args.rounds)
+
+
+def run_shapes(engine: LLMEngine, shapes: str, rounds: int, arms: tuple[str, str] = ARMS,
+               use: Callable[[str], None] | None = None) -> None:
+    """``step_times`` for every shape of ``shapes`` (``;``-separated), printed with each
+    arm's median and the first arm's time over the second's."""
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.dtype}, "
           f"step budget {engine.scheduler.max_num_batched_tokens} tokens")
     rng = random.Random(0)
-    for shape in args.shapes.split(";"):
+    for shape in shapes.split(";"):
         decodes, prompts = parse_shape(shape)
-        times = step_times(engine, decodes, prompts, args.rounds, rng)
+        times = step_times(engine, decodes, prompts, rounds, rng, arms, use)
         medians = {arm: statistics.median(v) for arm, v in times.items()}
         detail = "  ".join(f"{arm} {medians[arm] * 1e3:6.1f} ms "
-                           f"({' '.join(f'{v * 1e3:.0f}' for v in times[arm])})" for arm in ARMS)
+                           f"({' '.join(f'{v * 1e3:.0f}' for v in times[arm])})" for arm in arms)
         print(f"{decodes:2d} decodes + prompts {prompts}: {detail}  "
-              f"-> {medians['eager'] / medians['flat step']:.2f}x")
+              f"-> {medians[arms[0]] / medians[arms[1]]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,8 @@ for the next step). Shapes and rounds as in ``flat_step_ab.py``. Run it alone:
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 
-import torch
-from flat_step_ab import parse_shape, step_times
+from flat_step_ab import run_shapes
 
 from minivllm.attention import BatchedAttention, build_group
 from minivllm.config import EngineConfig
@@ -57,17 +54,7 @@ def main() -> None:
     def use(arm: str) -> None:
         runner.attention_cls = BatchedAttention if arm == "fresh path" else GatheredFreshPrompts
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {engine.dtype}, "
-          f"step budget {engine.scheduler.max_num_batched_tokens} tokens")
-    rng = random.Random(0)
-    for shape in args.shapes.split(";"):
-        decodes, prompts = parse_shape(shape)
-        times = step_times(engine, decodes, prompts, args.rounds, rng, ARMS, use)
-        medians = {arm: statistics.median(v) for arm, v in times.items()}
-        detail = "  ".join(f"{arm} {medians[arm] * 1e3:6.1f} ms "
-                           f"({' '.join(f'{v * 1e3:.0f}' for v in times[arm])})" for arm in ARMS)
-        print(f"{decodes:2d} decodes + prompts {prompts}: {detail}  "
-              f"-> {medians['gathered'] / medians['fresh path']:.2f}x")
+    run_shapes(engine, args.shapes, args.rounds, ARMS, use)
 
 
 if __name__ == "__main__":

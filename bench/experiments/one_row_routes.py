@@ -83,12 +83,33 @@ def part_linears(rounds: int) -> None:
         print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  {gbytes / m * 1e3:5.1f} GB/s")
 
 
-def part_step(model_path: str, pairs: int) -> None:
-    from minivllm import LLM
+def compare_one_row_steps(engine, model: torch.nn.Module, names: tuple[str, str],
+                          pairs: int) -> None:
+    """The engine's compiled one-row step (``names[0]``) against ``model`` compiled the same
+    way over the same pool (``names[1]``), context 160, alternated step by step."""
     from minivllm.compile import CompiledDecoder, DecodeInputs
 
+    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
+                              engine.num_blocks, engine.device)
+    variant.warmup(engine.model_config.vocab_size)
+    blocks = -(-160 // engine.config.block_size)
+    batch = DecodeInputs([5], [160], [list(range(blocks))])
+    sides = dict(zip(names, (engine.runner.decoder, variant)))
+    with torch.inference_mode():
+        a, b = (side.logits(batch) for side in sides.values())
+        print(f"max |logits difference| {float((a - b).abs().max()):.3g}, same argmax: "
+              f"{bool((a.argmax(-1) == b.argmax(-1)).all())}")
+        times = alternate(sides, lambda d: d.logits(batch), pairs)
+    ratios = [b / a for a, b in zip(times[names[0]], times[names[1]])]
+    print("one-row compiled step, context 160: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items())
+        + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def part_step(model_path: str, pairs: int) -> None:
+    from minivllm import LLM
+
     engine = LLM(model_path, compile_in_background=False).engine
-    default = engine.runner.decoder
     model = copy.deepcopy(engine.runner.model)
     tied, head = model.model.embed_tokens.weight, model.lm_head
     packed_forward = head.forward
@@ -98,18 +119,7 @@ def part_step(model_path: str, pairs: int) -> None:
             return torch.mv(tied, x[0]).unsqueeze(0)  # (1, V): inductor's loop, plain weight
         return packed_forward(x)
     head.forward = head_forward
-    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
-                              engine.num_blocks, engine.device)
-    variant.warmup(engine.model_config.vocab_size)
-    blocks = -(-160 // engine.config.block_size)
-    batch = DecodeInputs([5], [160], [list(range(blocks))])
-    with torch.inference_mode():
-        times = alternate({"packed lm_head": default, "tied lm_head, mv loop": variant},
-                          lambda d: d.logits(batch), pairs)
-    ratios = [b / a for a, b in zip(times["packed lm_head"], times["tied lm_head, mv loop"])]
-    print("one-row compiled step, context 160: " + ", ".join(
-        f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items())
-        + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+    compare_one_row_steps(engine, model, ("packed lm_head", "tied lm_head, mv loop"), pairs)
 
 
 def part_engine(model_path: str, pairs: int) -> None:
@@ -179,12 +189,7 @@ def _materialise_shape(x: torch.Tensor) -> torch.Tensor:
 
 def part_materialised(model_path: str, pairs: int) -> None:
     from minivllm import LLM
-    from minivllm.compile import (
-        CompiledDecoder,
-        DecodeInputs,
-        SingleRowLinear,
-        use_matvec_for_single_rows,
-    )
+    from minivllm.compile import SingleRowLinear, use_matvec_for_single_rows
 
     class MaterialisedRowLinear(SingleRowLinear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,27 +199,12 @@ def part_materialised(model_path: str, pairs: int) -> None:
             return super().forward(x)
 
     engine = LLM(model_path, compile_in_background=False).engine
-    default = engine.runner.decoder
     model = LLM(model_path, compile=False, pack_linear_weights=False).engine.runner.model
     use_matvec_for_single_rows(model, "inductor")
     for module in model.modules():
         if type(module) is SingleRowLinear:
             module.__class__ = MaterialisedRowLinear
-    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
-                              engine.num_blocks, engine.device)
-    variant.warmup(engine.model_config.vocab_size)
-    blocks = -(-160 // engine.config.block_size)
-    batch = DecodeInputs([5], [160], [list(range(blocks))])
-    sides = {"packed": default, "plain, materialised inputs": variant}
-    with torch.inference_mode():
-        a, b = default.logits(batch), variant.logits(batch)
-        print(f"max |logits difference| {float((a - b).abs().max()):.3g}, same argmax: "
-              f"{bool((a.argmax(-1) == b.argmax(-1)).all())}")
-        times = alternate(sides, lambda d: d.logits(batch), pairs)
-    ratios = [b / a for a, b in zip(times["packed"], times["plain, materialised inputs"])]
-    print("one-row compiled step, context 160: " + ", ".join(
-        f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items())
-        + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
+    compare_one_row_steps(engine, model, ("packed", "plain, materialised inputs"), pairs)
 
 
 def sdpa_routes(t: int) -> dict:
