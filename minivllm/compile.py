@@ -197,6 +197,29 @@ def _matvec_shape(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(1, weight.shape[0])  # what the compiler needs: shape, dtype, device
 
 
+@torch.library.custom_op("minivllm::materialise", mutates_args=())
+def materialise(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied by an op inductor cannot see into, so that ``x`` is computed into a
+    buffer of its own before the next kernel reads it.
+
+    Inductor inlines the producer of a matvec's input into the matvec's loop over the
+    weight's rows: the lm_head's loop would recompute the final RMSNorm for every one of
+    its 151,936 rows (9.7 ms against 6.5 ms with the input ready, on a Zen 5), the down
+    projection's would recompute SiLU(gate) * up. The copy costs one row."""
+    return x.clone()
+
+
+@materialise.register_fake
+def _materialise_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(1, K) row times the (N, K) weight -> (1, N): ``torch.mv`` left in the graph for
+    inductor to lower to its own loop, over the row materialised first. Compiled only."""
+    return torch.mv(weight, materialise(x)[0]).unsqueeze(0)
+
+
 def choose_matvec_kernel(requested: str = "auto",
                          flags: frozenset[str] | None = None) -> tuple[str, str]:
     """The kernel for one bf16 row on this CPU, and why: ``"mv"`` (torch.mv, kept whole by
@@ -215,9 +238,9 @@ def choose_matvec_kernel(requested: str = "auto",
 
 class SingleRowLinear(nn.Linear):
     """``nn.Linear`` whose one-row bf16 CPU inputs take a matrix-vector kernel: ``matvec``
-    (torch.mv, whole) or, with ``kernel = "inductor"``, torch.mv in the graph for inductor to
-    lower to its own loop (eagerly, that kernel is ``F.linear``: eager torch.mv is the slower
-    of the two on the CPUs where inductor's loop wins)."""
+    (torch.mv, whole) or, with ``kernel = "inductor"``, ``loop_matvec`` (torch.mv in the graph
+    for inductor to lower to its own loop; eagerly, that kernel is ``F.linear``: eager
+    torch.mv is the slower of the two on the CPUs where inductor's loop wins)."""
 
     kernel = "mv"  # set per module by use_matvec_for_single_rows
 
@@ -227,7 +250,7 @@ class SingleRowLinear(nn.Linear):
                 out = (matvec(x, self.weight) if torch.compiler.is_compiling()
                        else torch.mv(self.weight, x[0]).unsqueeze(0))  # (1, out_features)
             elif torch.compiler.is_compiling():
-                out = torch.mv(self.weight, x[0]).unsqueeze(0)  # (1, out): inductor's loop
+                out = loop_matvec(x, self.weight)  # (1, out_features): inductor's loop
             else:
                 return F.linear(x, self.weight, self.bias)
             return out if self.bias is None else out + self.bias
@@ -350,15 +373,18 @@ def _packed_linear_shape(x, handle, out_features, bias):
 
 class PackedLinear(nn.Module):
     """A bf16 CPU ``nn.Linear`` whose weight was reordered once into oneDNN's blocked layout
-    (vLLM's CPU linears do the same). The plain weight is gone; a tied one (the lm_head)
-    stays with the module it is shared with."""
+    (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the lm_head's,
+    stays with the module it is shared with) unless ``keep_plain_weight``: then ``weight``
+    keeps it, and a compiled one-row step reads it through inductor's loop
+    (``loop_matvec``), which streams a bf16 weight faster than oneDNN on CPUs without AMX."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_plain_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
+        self.register_parameter("weight", linear.weight if keep_plain_weight else None)
         self.handle = next(_next_handle)
         _PACKED_WEIGHTS[self.handle] = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach(), self.ROWS_HINT)
@@ -371,14 +397,19 @@ class PackedLinear(nn.Module):
         return self.in_features * self.out_features * 2  # bf16: the same bytes, reordered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # (..., out): one opaque kernel for inductor
+        if torch.compiler.is_compiling():
+            if self.weight is not None and x.dim() == 2 and x.shape[0] == 1:
+                out = loop_matvec(x, self.weight)  # (1, out): inductor's loop, plain weight
+                return out if self.bias is None else out + self.bias
+            # (..., out): one opaque kernel for inductor
             return packed_linear(x, self.handle_tensor, self.out_features, self.bias)
         # Eagerly, the op itself: a custom op's first eager call imports torch._dynamo, and
         # that import racing the compile thread's own fails (a circular import, half done).
         return _packed_matmul(x, self.handle, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        plain = ", plain weight for one row" if self.weight is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{plain}"
 
 
 def can_pack_linear_weights(model: nn.Module) -> bool:
@@ -389,16 +420,18 @@ def can_pack_linear_weights(model: nn.Module) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False) -> int:
     """Swap every ``nn.Linear`` of a bf16 CPU model (merged ones too) for a ``PackedLinear``,
-    in place. Returns how many; 0 where ``can_pack_linear_weights`` says no."""
+    in place, each keeping its plain weight too with ``keep_plain_weights`` (for the one-row
+    loop: the linears' bytes once more, bar a tied lm_head's). Returns how many; 0 where
+    ``can_pack_linear_weights`` says no."""
     if not can_pack_linear_weights(model):
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) in (nn.Linear, SingleRowLinear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, keep_plain_weights))
                 swapped += 1
     return swapped
 
@@ -485,6 +518,12 @@ class CompiledDecoder:
         if self.matvec_linears:
             logger.info("one-row bf16 steps: %d linears take %s (%s)", self.matvec_linears,
                         "torch.mv" if kernel == "mv" else "inductor's own matvec loop", why)
+        # Packed linears that kept their plain weight (CompiledRunner, on a CPU without AMX)
+        self.plain_weight_linears = sum(isinstance(m, PackedLinear) and m.weight is not None
+                                        for m in model.modules())
+        if self.plain_weight_linears:
+            logger.info("one-row bf16 steps: %d packed linears read their plain weight through "
+                        "inductor's own matvec loop (%s)", self.plain_weight_linears, why)
         # A CPU batch of 1 is not padded to 2 rows: a 2-row matmul leaves the matrix-vector
         # path (the 0.5B lm_head: 82 ms for 2 rows vs 34 ms for 1), so batch 1 gets its own
         # specialised graph, compiled in the warm-up. CUDA graphs keep buckets of >= 2.
@@ -663,9 +702,14 @@ class CompiledRunner(ModelRunner):
         self.compile_seconds = 0.0  # the warm-up's own time
         self.compiled_after_s: float | None = None  # from the start of compiling to the swap
         self.eager_steps_while_compiling = 0
+        one_row_kernel = choose_matvec_kernel(config.matvec_kernel)[0]
+        # Packing keeps the plain weights too where a compiled one-row step reads them through
+        # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
+        self.keep_plain_weights = bool(use_compile and config.single_row_matvec
+                                       and one_row_kernel == "inductor")
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
-                use_matvec_for_single_rows(self.model, choose_matvec_kernel(config.matvec_kernel)[0])
+                use_matvec_for_single_rows(self.model, one_row_kernel)
             self._warmup = BackgroundWarmup(self._pack_then_build, self.model_config.vocab_size)
             logger.info("compiling the decode step in the background; steps run eagerly "
                         "until it is built")
@@ -686,10 +730,12 @@ class CompiledRunner(ModelRunner):
         if not self.config.pack_linear_weights:
             return 0
         started = time.perf_counter()
-        if packed := pack_linear_weights(self.model):
+        if packed := pack_linear_weights(self.model, self.keep_plain_weights):
             gib = sum(m.packed_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
-            logger.info("packed %d linears' weights for oneDNN: %.2f GiB in %.1f s", packed,
-                        gib / 2**30, time.perf_counter() - started)
+            logger.info("packed %d linears' weights for oneDNN: %.2f GiB in %.1f s%s", packed,
+                        gib / 2**30, time.perf_counter() - started,
+                        " (their plain weights kept for one-row steps)"
+                        if self.keep_plain_weights else "")
         return packed
 
     def _pack_then_build(self) -> CompiledDecoder:

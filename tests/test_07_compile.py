@@ -265,6 +265,8 @@ def test_one_row_graph_hands_inductor_the_chosen_matvec(kernel):
             assert ops == {"aten.linear.default"}
         else:
             assert (custom, plain_mv) == ((True, False) if kernel == "mv" else (False, True)), ops
+            # inductor's loop reads a row materialised by the opaque copy, never its producer
+            assert ("minivllm.materialise.default" in ops) == (kernel == "inductor"), ops
         with torch.inference_mode():
             if kernel == "inductor":  # eagerly: F.linear itself
                 assert torch.equal(layer(x), expected(x))
@@ -485,6 +487,73 @@ def test_packed_linear_weights_compute_the_same_function_eager_and_compiled(tiny
     del packed, model
     gc.collect()
     assert not handles & set(_PACKED_WEIGHTS)
+
+
+def _export_ops(module: nn.Module, x: torch.Tensor) -> list[str]:
+    """The ops of ``module(x)`` as a compiler is handed them (torch.export: no cache kept)."""
+    with torch.no_grad():
+        graph = torch.export.export(module, (x,)).graph
+    return [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+@needs_onednn_bf16
+def test_packed_linears_keep_their_plain_weights_for_the_one_row_loop(tiny_model):
+    """Guards: a one-row compiled step reading the packed weight (oneDNN, slower than
+    inductor's loop on CPUs without AMX) when the plain weight was kept, or its loop reading
+    an input whose producer it could inline (no materialise); two rows or more leaving the
+    packed weight; keeping the weights as copies (more memory than the plain weights) or a
+    tied lm_head's as anything but the embedding itself; the results differing."""
+    from minivllm.compile import PackedLinear, merge_projections, pack_linear_weights
+    from minivllm.model import load_model
+
+    model = load_model(tiny_model, dtype=torch.bfloat16)
+    merge_projections(model)
+    reference = copy.deepcopy(model)
+    plain = {name: m.weight for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert pack_linear_weights(model, keep_plain_weights=True) == len(plain)
+    packed = dict(model.named_modules())
+    assert all(isinstance(packed[name], PackedLinear) and packed[name].weight is weight
+               for name, weight in plain.items())
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    down, expected = model.model.layers[0].mlp.down_proj, reference.model.layers[0].mlp.down_proj
+    assert "plain weight for one row" in repr(down)
+    one, three = (torch.randn(rows, down.in_features, dtype=torch.bfloat16) for rows in (1, 3))
+    ops = _export_ops(down, one)
+    assert "aten.mv.default" in ops and "minivllm.packed_linear.default" not in ops, ops
+    assert ops.index("minivllm.materialise.default") < ops.index("aten.mv.default"), ops
+    assert "minivllm.packed_linear.default" in _export_ops(down, three)
+    with torch.inference_mode():
+        compiled = torch.compile(down, dynamic=False)
+        for x in (one, three):
+            torch.testing.assert_close(compiled(x), expected(x), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(down(x), expected(x), rtol=2e-2, atol=2e-2)  # eager
+    dropped = copy.deepcopy(reference)
+    pack_linear_weights(dropped)  # the default: the plain weights go
+    assert all(m.weight is None for m in dropped.modules() if isinstance(m, PackedLinear))
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize(("options", "kept"), [
+    ({"matvec_kernel": "inductor"}, True),  # a CPU without AMX: inductor's loop for one row
+    ({"matvec_kernel": "mv"}, False),  # AMX: the packed weight (oneDNN) for one row too
+    ({"matvec_kernel": "inductor", "single_row_matvec": False}, False),
+    ({"matvec_kernel": "inductor", "compile": False}, False),  # nothing compiled reads them
+])
+def test_the_runner_keeps_plain_weights_only_for_a_compiled_one_row_loop(tiny_model, monkeypatch,
+                                                                         options, kept):
+    """Guards: the plain weights kept (the linears' memory twice) where no compiled one-row
+    step reads them, or dropped where one does."""
+    import minivllm.compile as compile_module
+    from minivllm.compile import PackedLinear
+
+    monkeypatch.setattr(compile_module, "try_compile", lambda *args, **kwargs: None)
+    config = {"compile": True, **options}
+    llm = LLM(str(tiny_model), dtype="bfloat16", block_size=8, num_blocks=12, max_model_len=96,
+              compile_in_background=False, **config)
+    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and llm.engine.runner.keep_plain_weights == kept
+    assert all((m.weight is not None) == kept for m in packed)
 
 
 @needs_onednn_bf16

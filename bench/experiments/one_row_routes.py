@@ -1,35 +1,31 @@
 """Where a one-row bf16 decode step could go faster on a CPU without AMX, and what a prefill's
-attention costs (issue 30, eighth part). Four parts, each alternating its routes in one
+attention costs (issue 30, eighth and ninth parts). Each part alternates its routes in one
 process (run it alone; on 2 cores anything else running changes the answer):
 
 * ``linears``: the 0.5B model's 97 linears at one row, weights streamed from memory (every
-  layer its own weights, as in the model), by route: the packed oneDNN linear (what the
-  engine runs), ``F.linear``, ``torch.mv``, and ``torch.mv`` compiled by inductor (its own
-  reduction loop). Prints ms for the whole set and the GB/s it implies.
-* ``step``: the compiled one-row decode step (``CompiledDecoder.logits``) as the engine builds
-  it, against a copy whose lm_head reads its tied plain weight (the embedding's) through
-  inductor's loop at one row instead of the packed copy.
-* ``engine``: two engines, the default (packed weights) and one with plain weights and
-  inductor's loop for one row (``pack_linear_weights=False, matvec_kernel="inductor"``),
-  alternating whole greedy requests; the compiled call inside each is timed too.
+  layer its own weights, as in the model), by route: the packed oneDNN linear, ``F.linear``,
+  ``torch.mv``, and ``torch.mv`` compiled by inductor (its own reduction loop). Prints ms for
+  the whole set and the GB/s it implies.
+* ``shipped``: the compiled decode step as the engine builds it (on a CPU without AMX: packed
+  weights, and at one row the plain weights through inductor's loop on a materialised input,
+  ``loop_matvec``) against the same step with packed weights only (``single_row_matvec=False``,
+  the engine before the ninth part), alternated step by step, at 1 and 8 rows.
+* ``engine``: three engines, as shipped, packed only, and plain weights only
+  (``pack_linear_weights=False``), alternating whole greedy requests; the compiled call inside
+  each is timed too.
 * ``fusion``: the lm_head's weight at one row through inductor's loop, its input the final
-  RMSNorm computed in the same graph (inductor inlines the norm into the loop, as in the
-  engine's step) against an input computed beforehand, and the packed oneDNN linear.
-* ``materialised``: the compiled one-row step as the engine builds it (packed weights)
-  against a second engine's model with plain weights whose every linear, at one row, runs
-  inductor's loop on an input first materialised by an opaque op (so that no producer is
-  inlined into the loop), alternated step by step.
+  RMSNorm computed in the same graph (inductor inlines the norm into the loop) against an
+  input computed beforehand, and the packed oneDNN linear: why ``loop_matvec`` materialises.
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
     python bench/experiments/one_row_routes.py --model checkpoints/qwen2.5-0.5b-random \\
-        --parts linears,step,engine,fusion,materialised,sdpa
+        --parts linears,shipped,engine,fusion,sdpa
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
@@ -83,51 +79,57 @@ def part_linears(rounds: int) -> None:
         print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  {gbytes / m * 1e3:5.1f} GB/s")
 
 
-def compare_one_row_steps(engine, model: torch.nn.Module, names: tuple[str, str],
-                          pairs: int) -> None:
-    """The engine's compiled one-row step (``names[0]``) against ``model`` compiled the same
-    way over the same pool (``names[1]``), context 160, alternated step by step."""
-    from minivllm.compile import CompiledDecoder, DecodeInputs
+def compare_one_row_steps(sides: dict, pairs: int, rows: int = 1) -> None:
+    """Compiled decode steps (``CompiledDecoder``s over one pool, keyed by name) of ``rows``
+    rows at context 160, alternated step by step; the ratio is the second's over the first's."""
+    from minivllm.compile import DecodeInputs
 
-    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
-                              engine.num_blocks, engine.device)
-    variant.warmup(engine.model_config.vocab_size)
-    blocks = -(-160 // engine.config.block_size)
-    batch = DecodeInputs([5], [160], [list(range(blocks))])
-    sides = dict(zip(names, (engine.runner.decoder, variant)))
+    names = list(sides)
+    block_size = next(iter(sides.values())).block_size
+    blocks = -(-160 // block_size)
+    batch = DecodeInputs([5] * rows, [160] * rows, [list(range(blocks))] * rows)
     with torch.inference_mode():
         a, b = (side.logits(batch) for side in sides.values())
         print(f"max |logits difference| {float((a - b).abs().max()):.3g}, same argmax: "
               f"{bool((a.argmax(-1) == b.argmax(-1)).all())}")
         times = alternate(sides, lambda d: d.logits(batch), pairs)
     ratios = [b / a for a, b in zip(times[names[0]], times[names[1]])]
-    print("one-row compiled step, context 160: " + ", ".join(
+    print(f"{rows}-row compiled step, context 160: " + ", ".join(
         f"{k} {statistics.median(v) * 1e3:.1f} ms" for k, v in times.items())
         + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
-def part_step(model_path: str, pairs: int) -> None:
+def variant_decoder(engine, model: torch.nn.Module):
+    """``model`` compiled the way the engine compiles its own, over the engine's pool."""
+    from minivllm.compile import CompiledDecoder
+
+    variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
+                              engine.num_blocks, engine.device)
+    variant.warmup(engine.model_config.vocab_size)
+    return variant
+
+
+# The engines compared by ``shipped`` and ``engine``: EngineConfig options by name
+ENGINES = {"as shipped": {},
+           "packed only": {"single_row_matvec": False},
+           "plain + loop": {"pack_linear_weights": False, "matvec_kernel": "inductor"}}
+
+
+def part_shipped(model_path: str, pairs: int) -> None:
     from minivllm import LLM
 
-    engine = LLM(model_path, compile_in_background=False).engine
-    model = copy.deepcopy(engine.runner.model)
-    tied, head = model.model.embed_tokens.weight, model.lm_head
-    packed_forward = head.forward
-
-    def head_forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling():
-            return torch.mv(tied, x[0]).unsqueeze(0)  # (1, V): inductor's loop, plain weight
-        return packed_forward(x)
-    head.forward = head_forward
-    compare_one_row_steps(engine, model, ("packed lm_head", "tied lm_head, mv loop"), pairs)
+    shipped = LLM(model_path, compile_in_background=False).engine
+    packed = LLM(model_path, compile=False, **ENGINES["packed only"]).engine.runner.model
+    for rows in (1, 8):
+        compare_one_row_steps({"packed only": variant_decoder(shipped, packed),
+                               "as shipped": shipped.runner.decoder}, pairs, rows)
 
 
 def part_engine(model_path: str, pairs: int) -> None:
     from minivllm import LLM, SamplingParams
 
-    llms = {"packed": LLM(model_path, compile_in_background=False),
-            "plain + mv loop": LLM(model_path, compile_in_background=False,
-                                   pack_linear_weights=False, matvec_kernel="inductor")}
+    llms = {name: LLM(model_path, compile_in_background=False, **options)
+            for name, options in ENGINES.items()}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(1000, 1128))}
     calls: dict[str, list[float]] = {name: [] for name in llms}
@@ -142,7 +144,12 @@ def part_engine(model_path: str, pairs: int) -> None:
             calls[name].append(time.perf_counter() - start)
             return out
         decoder.logits = timed
-    times = alternate(llms, lambda llm: llm.generate([prompt], params, use_tqdm=False), pairs)
+    times = {name: [] for name in llms}
+    for i in range(pairs):  # round by round, the order reversed every other round
+        for name in (list(llms)[::-1] if i % 2 else list(llms)):
+            start = time.perf_counter()
+            llms[name].generate([prompt], params, use_tqdm=False)
+            times[name].append(time.perf_counter() - start)
     for name in llms:
         print(f"engine, 128-token prompt + 48 tokens: {name}: request "
               f"{statistics.median(times[name]):.2f} s, compiled one-row step "
@@ -176,37 +183,6 @@ def part_fusion(rounds: int) -> None:
         print(f"lm_head, one row: {name:34s} {statistics.median(ms):6.2f} ms")
 
 
-@torch.library.custom_op("experiment::materialise", mutates_args=())
-def materialise(x: torch.Tensor) -> torch.Tensor:
-    """A copy inductor cannot see into: its input is computed into a buffer first."""
-    return x.clone()
-
-
-@materialise.register_fake
-def _materialise_shape(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def part_materialised(model_path: str, pairs: int) -> None:
-    from minivllm import LLM
-    from minivllm.compile import SingleRowLinear, use_matvec_for_single_rows
-
-    class MaterialisedRowLinear(SingleRowLinear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.shape[0] == 1 and torch.compiler.is_compiling():
-                out = torch.mv(self.weight, materialise(x)[0]).unsqueeze(0)  # (1, out)
-                return out if self.bias is None else out + self.bias
-            return super().forward(x)
-
-    engine = LLM(model_path, compile_in_background=False).engine
-    model = LLM(model_path, compile=False, pack_linear_weights=False).engine.runner.model
-    use_matvec_for_single_rows(model, "inductor")
-    for module in model.modules():
-        if type(module) is SingleRowLinear:
-            module.__class__ = MaterialisedRowLinear
-    compare_one_row_steps(engine, model, ("packed", "plain, materialised inputs"), pairs)
-
-
 def sdpa_routes(t: int) -> dict:
     """SDPA's routes for one fresh prompt of ``t`` tokens: (1, 14, t, 64) queries, 2 kv heads."""
     q = torch.randn(1, 14, t, 64, dtype=torch.bfloat16)
@@ -236,7 +212,7 @@ def part_sdpa(rounds: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/qwen2.5-0.5b-random")
-    p.add_argument("--parts", default="linears,step,engine,fusion,materialised,sdpa")
+    p.add_argument("--parts", default="linears,shipped,engine,fusion,sdpa")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--pairs", type=int, default=20)
     args = p.parse_args()
@@ -244,14 +220,12 @@ def main() -> None:
     for part in args.parts.split(","):
         if part == "linears":
             part_linears(args.rounds)
-        elif part == "step":
-            part_step(args.model, args.pairs)
+        elif part == "shipped":
+            part_shipped(args.model, args.pairs)
         elif part == "engine":
             part_engine(args.model, max(2, args.pairs // 4))
         elif part == "fusion":
             part_fusion(args.rounds)
-        elif part == "materialised":
-            part_materialised(args.model, args.pairs)
         elif part == "sdpa":
             part_sdpa(args.rounds)
         else:
