@@ -688,7 +688,9 @@ class CompiledRunner(ModelRunner):
     ``EngineConfig.pack_linear_weights`` packs a bf16 CPU model's linears for oneDNN
     (``pack_linear_weights``, ~2 s for the 0.5B model here): in that thread too when it
     compiles in the background, else before the first step. A packed linear computes what
-    the plain one did, so eager steps meanwhile may run with some linears packed.
+    the plain one did, so eager steps meanwhile may run with some linears packed. Where the
+    compiled one-row step reads inductor's loop (no AMX), the plain weights stay beside the
+    packed ones (``keep_plain_weights``).
 
     ``EngineConfig.compile_flat_steps`` compiles the flat step too (``CompiledFlatStep``),
     with the decode step and swapped in with it: every step that is not a pure decode runs
