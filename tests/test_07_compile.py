@@ -575,6 +575,43 @@ def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
 
 
 @needs_onednn_bf16
+def test_the_compiled_bf16_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model):
+    """Guards, end to end: the engine's compiled one-row decode graph reading the packed
+    weights although the plain ones were kept (or its loop reading an unmaterialised input),
+    the 2-row graph leaving the packed weights, and the compiled one-row logits differing from
+    the eager ones. Counted with the profiler: ``materialise`` runs once per linear."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm.compile import DecodeInputs, PackedLinear, decode_logits
+
+    llm = LLM(str(tiny_model), dtype="bfloat16", block_size=8, num_blocks=12, max_model_len=96,
+              compile=True, compile_in_background=False, compile_flat_steps=False,
+              matvec_kernel="inductor")  # a CPU without AMX, whatever this one is
+    runner = llm.engine.runner
+    linears = sum(isinstance(m, PackedLinear) for m in runner.model.modules())
+    assert runner.keep_plain_weights and runner.decoder.plain_weight_linears == linears > 0
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [7, 70, 170, 270, 9]}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+    def materialise_calls(rows: int) -> int:
+        batch = DecodeInputs([5] * rows, [20] * rows, [[0, 1, 2]] * rows)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner.decoder.logits(batch)
+        return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
+
+    assert materialise_calls(1) == linears
+    assert materialise_calls(2) == 0
+    with torch.inference_mode():
+        ids, lens, tables = (torch.tensor(v) for v in ([5], [20], [[0, 1, 2]]))
+        eager = decode_logits(runner.model, runner.pool.kv, ids, lens, tables, 8)
+        compiled = runner.decoder.logits(DecodeInputs([5], [20], [[0, 1, 2]]))
+    # bf16 logits: a unit in the last place is 1/16 at |logit| 8-16, and the graph rounds
+    # its intermediates in other places than the eager model does
+    torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+@needs_onednn_bf16
 def test_background_compile_packs_the_weights_in_its_thread(tiny_model, monkeypatch):
     """Guards: packing (~2 s on the 0.5B model) before /health when the compile runs in the
     background; the thread packing other than the engine's own model. The compile itself is
