@@ -17,21 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from one_row_routes import median_ms
 
 VOCAB, HIDDEN = 151936, 896
-
-
-def _median_ms(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def rows_inner(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,7 +60,7 @@ def main() -> None:
             times = {name: [] for name in routes}
             for _ in range(args.rounds):
                 for name, route in routes.items():
-                    times[name].append(_median_ms(route))
+                    times[name].append(median_ms(route))
             print(f"{rows} row(s): " + ", ".join(
                 f"{name} {statistics.median(ms):.2f} ms" for name, ms in times.items()), flush=True)
 

@@ -38,8 +38,8 @@ from minivllm.compile import CompiledDecoder, DecodeInputs, choose_matvec_kernel
 
 
 def alternate(sides: dict, run, pairs: int) -> dict[str, list[float]]:
-    """Seconds of ``run(side)`` for two sides, ``pairs`` times each, in the order A B B A A B
-    ..., so that the machine's drift falls on both sides alike."""
+    """Seconds of ``run(side)`` for each side, ``pairs`` times each, in the order A B B A A B
+    ... (A B C C B A ... for three), so that the machine's drift falls on every side alike."""
     names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(pairs):

@@ -38,7 +38,8 @@ SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896)]  # (in, out): qkv, 
 VOCAB = 151936
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int = 3) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn``, after one untimed call."""
     fn()
     times = []
     for _ in range(reps):
@@ -73,7 +74,7 @@ def part_linears(rounds: int) -> None:
             route()
         for _ in range(rounds):
             for name, route in routes.items():
-                times[name].append(_median_ms(route, 1))
+                times[name].append(median_ms(route, 1))
     for name, ms in times.items():
         m = statistics.median(ms)
         print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  {gbytes / m * 1e3:5.1f} GB/s")
@@ -144,12 +145,7 @@ def part_engine(model_path: str, pairs: int) -> None:
             calls[name].append(time.perf_counter() - start)
             return out
         decoder.logits = timed
-    times = {name: [] for name in llms}
-    for i in range(pairs):  # round by round, the order reversed every other round
-        for name in (list(llms)[::-1] if i % 2 else list(llms)):
-            start = time.perf_counter()
-            llms[name].generate([prompt], params, use_tqdm=False)
-            times[name].append(time.perf_counter() - start)
+    times = alternate(llms, lambda llm: llm.generate([prompt], params, use_tqdm=False), pairs)
     for name in llms:
         print(f"engine, 128-token prompt + 48 tokens: {name}: request "
               f"{statistics.median(times[name]):.2f} s, compiled one-row step "
@@ -178,7 +174,7 @@ def part_fusion(rounds: int) -> None:
         times = {name: [] for name in routes}
         for _ in range(rounds):  # round by round, so that a drift falls on every route
             for name, route in routes.items():
-                times[name].append(_median_ms(route, 5))
+                times[name].append(median_ms(route, 5))
     for name, ms in times.items():
         print(f"lm_head, one row: {name:34s} {statistics.median(ms):6.2f} ms")
 
@@ -202,7 +198,7 @@ def part_sdpa(rounds: int) -> None:
         times = {name: [] for name in routes}
         for _ in range(rounds):
             for name, route in routes.items():
-                times[name].append(_median_ms(route, 20))
+                times[name].append(median_ms(route, 20))
         for name in routes:
             ms = statistics.median(times[name])
             print(f"sdpa, {t} tokens, bf16: {name:22s} {ms * 1e3:7.0f} us  "
