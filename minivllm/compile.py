@@ -38,8 +38,10 @@ step's graphs (a platform where compiling fails takes notebook 03's eager path).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -214,10 +216,27 @@ def _materialise_shape(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+def bf16_pairs_as_float32(lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 lanes holding two bf16 numbers each -> (the even ones, the odd ones) as float32.
+
+    A bf16 number is the top half of a float32. Little-endian, lane i holds element 2i in its
+    low 16 bits and element 2i + 1 in its high 16 bits: shifted left by 16, the lane *is*
+    element 2i as a float32; with its low 16 bits cleared, it is element 2i + 1. One integer
+    op each, where converting a bf16 vector to float32 takes a widening shuffle and a shift."""
+    return (lanes << 16).view(torch.float32), (lanes & -65536).view(torch.float32)
+
+
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(1, K) row times the (N, K) weight -> (1, N): ``torch.mv`` left in the graph for
-    inductor to lower to its own loop, over the row materialised first. Compiled only."""
-    return torch.mv(weight, materialise(x)[0]).unsqueeze(0)
+    """(1, K) row times the (N, K) weight -> (1, N), written for inductor to lower to its own
+    loop over the weight's rows, on the row materialised first. A bf16 weight (K even) is
+    read as int32 lanes, two numbers each (``bf16_pairs_as_float32``), and the products
+    summed in float32; any other weight is ``torch.mv``. Compiled only."""
+    row = materialise(x)[0]  # (K,)
+    if weight.dtype != torch.bfloat16 or weight.shape[1] % 2 or sys.byteorder != "little":
+        return torch.mv(weight, row).unsqueeze(0)
+    w_even, w_odd = bf16_pairs_as_float32(weight.view(torch.int32))  # (N, K/2) each
+    x_even, x_odd = bf16_pairs_as_float32(row.view(torch.int32))  # (K/2,) each
+    return (w_even * x_even + w_odd * x_odd).sum(-1).to(weight.dtype).unsqueeze(0)  # (1, N)
 
 
 def choose_matvec_kernel(requested: str = "auto",
@@ -434,6 +453,52 @@ def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False) -> i
                 setattr(parent, name, PackedLinear(child, keep_plain_weights))
                 swapped += 1
     return swapped
+
+
+HUGE_PAGE_BYTES = 2 * 1024**2  # a transparent huge page on x86-64 (and arm64 with 4 KiB pages)
+
+
+def transparent_huge_pages() -> bool:
+    """Whether this kernel backs a mapping that asks for it (``madvise``) with huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()  # e.g. "always [madvise] never"
+    except OSError:  # not Linux, or no THP in this kernel
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in mode
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Copy CPU ``tensors`` (each once, however often listed) into one anonymous mapping
+    advised for transparent huge pages, and point them at their copies (``.data``: the same
+    objects and numbers, new memory). Returns the bytes moved: 0 without THP."""
+    unique = list({id(t): t for t in tensors}.values())
+    if not unique or not transparent_huge_pages():
+        return 0
+    nbytes = [t.numel() * t.element_size() for t in unique]
+    starts = [0]
+    for n in nbytes[:-1]:
+        starts.append(starts[-1] + -(-n // 64) * 64)  # each copy 64-byte aligned
+    arena = mmap.mmap(-1, starts[-1] + nbytes[-1] + HUGE_PAGE_BYTES,
+                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping while in use
+    base = -memory.data_ptr() % HUGE_PAGE_BYTES  # the first copy starts on a huge page
+    for t, start, n in zip(unique, starts, nbytes):
+        copy = memory[base + start:base + start + n].view(t.dtype).view(t.shape)
+        copy.copy_(t.data)
+        t.data = copy
+    release_freed_memory()
+    return sum(nbytes)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory glibc keeps after frees back to the system (``malloc_trim``): freed
+    weights of a few MiB each stay in its heap otherwise. Nothing where libc has no such call."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 def before_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
@@ -690,7 +755,7 @@ class CompiledRunner(ModelRunner):
     compiles in the background, else before the first step. A packed linear computes what
     the plain one did, so eager steps meanwhile may run with some linears packed. Where the
     compiled one-row step reads inductor's loop (no AMX), the plain weights stay beside the
-    packed ones (``keep_plain_weights``).
+    packed ones (``keep_plain_weights``), moved into huge pages (``move_to_huge_pages``).
 
     ``EngineConfig.compile_flat_steps`` compiles the flat step too (``CompiledFlatStep``),
     with the decode step and swapped in with it: every step that is not a pure decode runs
@@ -709,6 +774,7 @@ class CompiledRunner(ModelRunner):
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
                                        and one_row_kernel == "inductor")
+        self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
                 use_matvec_for_single_rows(self.model, one_row_kernel)
@@ -716,7 +782,7 @@ class CompiledRunner(ModelRunner):
             logger.info("compiling the decode step in the background; steps run eagerly "
                         "until it is built")
             return
-        self.pack_weights()
+        self.prepare_weights()
         if use_compile:
             self._decoder = try_compile(self.model, self.pool.kv, config.block_size,
                                         self.num_blocks, self.device,
@@ -740,9 +806,24 @@ class CompiledRunner(ModelRunner):
                         if self.keep_plain_weights else "")
         return packed
 
-    def _pack_then_build(self) -> CompiledDecoder:
-        """The background thread's work before its warm-up: pack, then wrap for compiling."""
+    def prepare_weights(self) -> None:
+        """``pack_weights``; then, where a compiled one-row step streams the plain weights
+        through inductor's loop (``keep_plain_weights``), those weights into huge pages."""
         self.pack_weights()
+        if not self.keep_plain_weights:
+            return
+        started = time.perf_counter()
+        plain = [m.weight for m in self.model.modules()
+                 if isinstance(m, (nn.Linear, PackedLinear)) and m.weight is not None
+                 and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+        if moved := move_to_huge_pages(plain):
+            logger.info("moved the one-row loop's weights into huge pages: %.2f GiB in %.1f s",
+                        moved / 2**30, time.perf_counter() - started)
+        self.huge_page_bytes = moved
+
+    def _pack_then_build(self) -> CompiledDecoder:
+        """The background thread's work before its warm-up: the weights, then the decoder."""
+        self.prepare_weights()
         c = self.config
         return CompiledDecoder(self.model, self.pool.kv, c.block_size, self.num_blocks,
                                self.device, c.single_row_matvec, c.matvec_kernel,

@@ -246,8 +246,8 @@ def test_matvec_kernel_is_chosen_by_the_cpu():
 
 @pytest.mark.parametrize("kernel", ["mv", "inductor"])
 def test_one_row_graph_hands_inductor_the_chosen_matvec(kernel):
-    """Guards: the "inductor" kernel still hiding torch.mv in the custom op (or "mv" not
-    hiding it), two rows leaving F.linear, the compiled one-row result wrong, and the eager
+    """Guards: the "inductor" kernel still hiding torch.mv in the custom op or not reading the
+    weight as int32 lanes (or "mv" not hiding it), two rows leaving F.linear, the compiled one-row result wrong, and the eager
     one-row path of "inductor" not being F.linear bit for bit. The graph is read from
     torch.export (what a compiler is handed; it keeps no cache to pollute), not timed."""
     torch.manual_seed(0)
@@ -261,10 +261,12 @@ def test_one_row_graph_hands_inductor_the_chosen_matvec(kernel):
         ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
         # (torch.export, not torch.compile: dynamo's cache for this layer's forward is small)
         custom, plain_mv = "minivllm.matvec.default" in ops, "aten.mv.default" in ops
+        lanes = "aten.__lshift__.Scalar" in ops  # the loop reads the weight's int32 lanes
         if rows == 2:
             assert ops == {"aten.linear.default"}
         else:
-            assert (custom, plain_mv) == ((True, False) if kernel == "mv" else (False, True)), ops
+            assert (custom, plain_mv, lanes) == ((True, False, False) if kernel == "mv"
+                                                 else (False, False, True)), ops
             # inductor's loop reads a row materialised by the opaque copy, never its producer
             assert ("minivllm.materialise.default" in ops) == (kernel == "inductor"), ops
         with torch.inference_mode():
@@ -500,9 +502,10 @@ def _export_ops(module: nn.Module, x: torch.Tensor) -> list[str]:
 def test_packed_linears_keep_their_plain_weights_for_the_one_row_loop(tiny_model):
     """Guards: a one-row compiled step reading the packed weight (oneDNN, slower than
     inductor's loop on CPUs without AMX) when the plain weight was kept, or its loop reading
-    an input whose producer it could inline (no materialise); two rows or more leaving the
-    packed weight; keeping the weights as copies (more memory than the plain weights) or a
-    tied lm_head's as anything but the embedding itself; the results differing."""
+    an input whose producer it could inline (no materialise, or materialise after the lanes
+    are read); two rows or more leaving the packed weight; keeping the weights as copies
+    (more memory than the plain weights) or a tied lm_head's as anything but the embedding
+    itself; the results differing."""
     from minivllm.compile import PackedLinear, merge_projections, pack_linear_weights
     from minivllm.model import load_model
 
@@ -519,9 +522,9 @@ def test_packed_linears_keep_their_plain_weights_for_the_one_row_loop(tiny_model
     down, expected = model.model.layers[0].mlp.down_proj, reference.model.layers[0].mlp.down_proj
     assert "plain weight for one row" in repr(down)
     one, three = (torch.randn(rows, down.in_features, dtype=torch.bfloat16) for rows in (1, 3))
-    ops = _export_ops(down, one)
-    assert "aten.mv.default" in ops and "minivllm.packed_linear.default" not in ops, ops
-    assert ops.index("minivllm.materialise.default") < ops.index("aten.mv.default"), ops
+    ops = _export_ops(down, one)  # the loop over the weight's int32 lanes, no oneDNN
+    assert "aten.__lshift__.Scalar" in ops and "minivllm.packed_linear.default" not in ops, ops
+    assert ops.index("minivllm.materialise.default") < ops.index("aten.view.dtype"), ops
     assert "minivllm.packed_linear.default" in _export_ops(down, three)
     with torch.inference_mode():
         compiled = torch.compile(down, dynamic=False)
@@ -531,6 +534,95 @@ def test_packed_linears_keep_their_plain_weights_for_the_one_row_loop(tiny_model
     dropped = copy.deepcopy(reference)
     pack_linear_weights(dropped)  # the default: the plain weights go
     assert all(m.weight is None for m in dropped.modules() if isinstance(m, PackedLinear))
+
+
+def test_bf16_pairs_are_the_even_and_odd_elements_as_float32():
+    """Guards: the lanes' halves swapped (even for odd), a shift or mask that drops or keeps
+    the wrong bits, and inductor's lowering of the bit casts differing from eager's. Exact:
+    a bf16 number is the top half of a float32, so nothing may be rounded."""
+    from minivllm.compile import bf16_pairs_as_float32
+
+    values = torch.randn(6, 64).to(torch.bfloat16)
+    values[0, :6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -3.5])
+    expected = values[:, 0::2].float(), values[:, 1::2].float()
+    for split in (bf16_pairs_as_float32, torch.compile(bf16_pairs_as_float32, dynamic=False)):
+        got = split(values.view(torch.int32))  # (6, 32) lanes
+        for half, want in zip(got, expected):
+            assert half.dtype == torch.float32 and half.shape == (6, 32)
+            assert torch.equal(half.view(torch.int32), want.view(torch.int32))  # bit for bit
+
+
+@pytest.mark.parametrize(("out_features", "in_features", "dtype", "lanes"), [
+    (96, 64, torch.bfloat16, True), (37, 4096, torch.bfloat16, True),
+    (40, 33, torch.bfloat16, False),  # odd K: no whole int32 lanes, torch.mv
+    (40, 64, torch.float32, False)])
+def test_loop_matvec_reads_bf16_lanes_and_sums_in_float32(out_features, in_features, dtype, lanes):
+    """Guards: the one-row loop giving another product than F.linear (lanes paired with the
+    wrong row elements, sums in bf16: over 4096 inputs those drift far beyond one rounding),
+    and odd-K or non-bf16 weights taking the lane route they cannot."""
+    from minivllm.compile import loop_matvec
+
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features).to(dtype)
+    x = torch.randn(1, in_features).to(dtype)
+
+    class Row(nn.Module):
+        def forward(self, row):
+            return loop_matvec(row, weight)
+
+    ops = _export_ops(Row(), x)
+    assert ("aten.__lshift__.Scalar" in ops, "aten.mv.default" in ops) == (lanes, not lanes), ops
+    with torch.inference_mode():
+        out = torch.compile(Row(), dynamic=False)(x)
+    exact = x.double() @ weight.double().t()  # (1, out_features)
+    assert out.shape == (1, out_features) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), exact, rtol=8e-3 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-5)
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line
+                if inside:
+                    break
+                low, high = (int(a, 16) for a in head.split("-"))
+                inside = low <= address < high
+            elif inside:
+                fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+def test_move_to_huge_pages_moves_each_weight_once_keeping_its_numbers(monkeypatch):
+    """Guards: a tensor listed twice (a tied weight) copied twice, the parameters replaced
+    by other objects (a model's modules would keep the old ones), numbers changed, the copies
+    left off a huge-page boundary or outside a mapping advised for huge pages, and a kernel
+    without transparent huge pages getting a copy anyway."""
+    import minivllm.compile as compile_module
+    from minivllm.compile import HUGE_PAGE_BYTES, move_to_huge_pages, transparent_huge_pages
+
+    torch.manual_seed(0)
+    small = nn.Parameter(torch.randn(300, 64).to(torch.bfloat16), requires_grad=False)
+    large = nn.Parameter(torch.randn(3 * 2**20).to(torch.bfloat16), requires_grad=False)  # 6 MiB
+    before = {id(p): (p.data_ptr(), p.detach().clone()) for p in (small, large)}
+    monkeypatch.setattr(compile_module, "transparent_huge_pages", lambda: False)
+    assert move_to_huge_pages([small, large]) == 0
+    assert all(p.data_ptr() == before[id(p)][0] for p in (small, large))
+    monkeypatch.undo()
+    if not transparent_huge_pages():
+        pytest.skip("this kernel has no transparent huge pages")
+    nbytes = sum(p.numel() * p.element_size() for p in (small, large))
+    assert move_to_huge_pages([large, small, large]) == nbytes  # the tied one once
+    for p in (small, large):
+        assert isinstance(p, nn.Parameter) and p.data_ptr() != before[id(p)][0]
+        assert torch.equal(p, before[id(p)][1])
+    assert large.data_ptr() % HUGE_PAGE_BYTES == 0  # listed first: on a huge-page boundary
+    mapping = _mapping_of(large.data_ptr())
+    assert mapping == _mapping_of(small.data_ptr())  # one mapping for all
+    assert mapping["THPeligible"] == "1", mapping  # advised: the kernel may back it with huge pages
 
 
 @needs_onednn_bf16
@@ -543,17 +635,22 @@ def test_packed_linears_keep_their_plain_weights_for_the_one_row_loop(tiny_model
 def test_the_runner_keeps_plain_weights_only_for_a_compiled_one_row_loop(tiny_model, monkeypatch,
                                                                          options, kept):
     """Guards: the plain weights kept (the linears' memory twice) where no compiled one-row
-    step reads them, or dropped where one does."""
+    step reads them, or dropped where one does; kept ones left in 4 KiB pages (or others
+    moved)."""
     import minivllm.compile as compile_module
-    from minivllm.compile import PackedLinear
+    from minivllm.compile import PackedLinear, transparent_huge_pages
 
     monkeypatch.setattr(compile_module, "try_compile", lambda *args, **kwargs: None)
     config = {"compile": True, **options}
     llm = LLM(str(tiny_model), dtype="bfloat16", block_size=8, num_blocks=12, max_model_len=96,
               compile_in_background=False, **config)
-    packed = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
-    assert packed and llm.engine.runner.keep_plain_weights == kept
+    runner = llm.engine.runner
+    packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and runner.keep_plain_weights == kept
     assert all((m.weight is not None) == kept for m in packed)
+    plain = {id(m.weight): m.weight for m in packed if m.weight is not None}.values()
+    in_huge_pages = sum(w.numel() * w.element_size() for w in plain)  # the tied one once
+    assert runner.huge_page_bytes == (in_huge_pages if transparent_huge_pages() else 0)
 
 
 @needs_onednn_bf16

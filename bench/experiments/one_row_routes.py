@@ -4,8 +4,11 @@ process (run it alone; on 2 cores anything else running changes the answer):
 
 * ``linears``: the 0.5B model's 97 linears at one row, weights streamed from memory (every
   layer its own weights, as in the model), by route: the packed oneDNN linear, ``F.linear``,
-  ``torch.mv``, and ``torch.mv`` compiled by inductor (its own reduction loop). Prints ms for
-  the whole set and the GB/s it implies.
+  ``torch.mv`` (each called eagerly), and in one compiled graph of all 97 (as in the decode
+  step): ``torch.mv`` (inductor's loop, converting bf16 to float32) and ``loop_matvec`` (the
+  engine's: the weight read as int32 lanes), each on weights in 4 KiB pages and on copies
+  moved into huge pages (``move_to_huge_pages``). Routes alternate round by round; prints ms
+  for the whole set, the GB/s it implies, and the per-round ratio to inductor's mv loop.
 * ``shipped``: the compiled decode step as the engine builds it (on a CPU without AMX: packed
   weights, and at one row the plain weights through inductor's loop on a materialised input,
   ``loop_matvec``) against the same step with packed weights only (``single_row_matvec=False``,
@@ -50,6 +53,8 @@ def median_ms(fn, reps: int = 3) -> float:
 
 
 def part_linears(rounds: int) -> None:
+    from minivllm.compile import loop_matvec, move_to_huge_pages
+
     torch.manual_seed(0)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02
                for _ in range(LAYERS) for k, n in SHAPES]
@@ -57,27 +62,38 @@ def part_linears(rounds: int) -> None:
     gbytes = sum(w.numel() * 2 for w in weights) / 1e9
     rows = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (896, 4864)}
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    in_huge_pages = [w.clone() for w in weights]
+    if not move_to_huge_pages(in_huge_pages):
+        print("no transparent huge pages on this kernel: the 'huge pages' routes use 4 KiB ones")
 
     def mv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mv(w, x[0]).unsqueeze(0)
-    compiled_mv = torch.compile(mv, dynamic=False)
+
+    def graph_of(matvec):  # all 97 in one compiled graph, as in the decode step
+        return torch.compile(lambda ws, x896, x4864: [
+            matvec(x896 if w.shape[1] == 896 else x4864, w) for w in ws], dynamic=False)
+    mv_loop, lane_loop = graph_of(mv), graph_of(loop_matvec)
     routes = {
         "packed oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(
             rows[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, packed)],
         "F.linear": lambda: [F.linear(rows[w.shape[1]], w) for w in weights],
         "torch.mv": lambda: [mv(rows[w.shape[1]], w) for w in weights],
-        "inductor's mv loop": lambda: [compiled_mv(rows[w.shape[1]], w) for w in weights],
+        "inductor's mv loop": lambda: mv_loop(weights, rows[896], rows[4864]),
+        "loop_matvec (lanes)": lambda: lane_loop(weights, rows[896], rows[4864]),
+        "mv loop, huge pages": lambda: mv_loop(in_huge_pages, rows[896], rows[4864]),
+        "lanes, huge pages": lambda: lane_loop(in_huge_pages, rows[896], rows[4864]),
     }
-    times = {name: [] for name in routes}
     with torch.inference_mode():
         for route in routes.values():
             route()
-        for _ in range(rounds):
-            for name, route in routes.items():
-                times[name].append(median_ms(route, 1))
-    for name, ms in times.items():
-        m = statistics.median(ms)
-        print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  {gbytes / m * 1e3:5.1f} GB/s")
+        times = alternate(routes, lambda route: route(), rounds)
+    base = times["inductor's mv loop"]
+    for name, seconds in times.items():
+        m = statistics.median(seconds) * 1e3
+        ratios = [t / b for t, b in zip(seconds, base)]
+        print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  "
+              f"{gbytes / m * 1e3:5.1f} GB/s  {statistics.median(ratios):.3f}x inductor's mv "
+              f"loop per round ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def compare_one_row_steps(sides: dict, pairs: int, rows: int = 1) -> None:
