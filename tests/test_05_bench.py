@@ -322,6 +322,8 @@ def test_cpu_features_name_the_cpu_and_its_bf16():
                    "native_bf16": True}
     avx2 = cpu_features("model name : Some CPU\nflags : sse2 avx2 fma\n")
     assert avx2["flags"] == ["avx2", "fma"] and not avx2["native_bf16"]
+    zen5 = cpu_features("model name : AMD EPYC\nflags : avx2 avx512_vnni avx_vnni avx512_bf16\n")
+    assert zen5["flags"] == ["avx2", "avx512_vnni", "avx_vnni", "avx512_bf16"]  # not a Zen 4
     line = machine_line({"cpu": cpu, "cpu_count": 2, "torch_threads": 2, "device": "cpu"})
     assert line == ("CPU: AMD EPYC 9R45 (Zen 5) (2 CPUs, 2 torch threads); "
                     "bf16 native (avx512_bf16)")

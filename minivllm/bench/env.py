@@ -192,8 +192,9 @@ def _version(package: str) -> str | None:
 # The ISA extensions that decide which dtype is fast on a CPU: float32 runs on AVX2/AVX-512
 # FMAs everywhere, bfloat16 matmuls run natively only with AVX512-BF16 or AMX (elsewhere
 # they are converted to float32 and back, slower than float32 itself).
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")  # last 3: Arm
+# (avx_vnni tells a Zen 5 or a recent Intel core from a Zen 4, whose records look alike else)
 BF16_FLAGS = NATIVE_BF16_FLAGS  # the rule dtype="auto" follows, so the record says what it saw
 
 
