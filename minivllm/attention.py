@@ -12,7 +12,7 @@ gathers and 768 attention calls per decode step. Here each layer makes one call 
 * all prefill chunks that follow cached tokens form another: queries padded to the longest
   chunk ``(B, Q, H, D)``;
 * a *fresh* prompt (nothing cached: a first chunk, no prefix-cache hit) is attended on its
-  own, over its own rows of the step's new k/v: no pool read, no mask, no padding.
+  own, over its own rows of the step's new k/v: no pool read, no padding.
 
 Keys and values are read from the pool a whole *block* at a time through the block tables —
 ``pool.view(num_blocks, block_size, ...)[block_tables]`` — which copies ``block_size``
@@ -21,8 +21,9 @@ group, and a boolean mask ``(B, 1, Q, K)`` keeps, for query i of sequence b, the
 positions ``<= seq_lens[b] - q_lens[b] + i``: causal with an offset for chunks that follow
 cached tokens (SDPA's ``is_causal`` is top-left aligned, which is wrong there). For a fresh
 prompt query i and key i are the same position, so there top-left ``is_causal`` is right: no
-gather, no mask, and one call per fresh prompt pads nothing (prompts of 13 and 243 tokens
-in one padded group would cost 2 x 243^2 instead of 13^2 + 243^2).
+gather, and one call per fresh prompt pads nothing (prompts of 13 and 243 tokens in one
+padded group would cost 2 x 243^2 instead of 13^2 + 243^2). On a CPU a fresh prompt's query
+heads are stacked per kv head and its queries go 128 at a time (``attend_fresh``).
 """
 
 from __future__ import annotations
@@ -97,15 +98,55 @@ def attend_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(batch, 1, num_heads, head_dim)
 
 
-def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+FRESH_QUERY_BLOCK = 128  # a fresh prompt's queries per SDPA call on a CPU
+
+
+def fresh_block_mask(rows: int, keys: int, group: int, like: torch.Tensor,
+                     cache: dict | None = None) -> torch.Tensor:
+    """The additive causal mask of one block of a fresh prompt's queries, ``group`` query
+    heads stacked: (group * rows, keys), 0 where query r (position keys - rows + r) may see
+    key j, -inf where j is later. ``cache`` (one step's dict) keeps it for every layer."""
+    key = (rows, keys, group, like.dtype)
+    if cache is not None and key in cache:
+        return cache[key]
+    later = torch.ones(rows, keys, dtype=torch.bool, device=like.device).triu(keys - rows + 1)
+    mask = torch.zeros(rows, keys, dtype=like.dtype, device=like.device)
+    mask = mask.masked_fill(later, float("-inf")).repeat(group, 1)  # (group * rows, keys)
+    if cache is not None:
+        cache[key] = mask
+    return mask
+
+
+def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 masks: dict | None = None) -> torch.Tensor:
     """One prompt with nothing cached, over its own new keys: q (T, H, D), k/v (T, n_kv, D)
-    -> (T, H, D). Query i and key i are both position i, so SDPA's top-left ``is_causal`` is
-    exactly the causal mask: no pool read, no mask tensor, no padding."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
-                                         k.transpose(0, 1).unsqueeze(0),
-                                         v.transpose(0, 1).unsqueeze(0),
-                                         is_causal=True, enable_gqa=True)  # (1, H, T, D)
-    return out[0].transpose(0, 1)
+    -> (T, H, D). Query i and key i are both position i: no pool read, no padding.
+
+    On a GPU, one SDPA call whose top-left ``is_causal`` is exactly the causal mask. On a
+    CPU, PyTorch's flash kernel runs one small matmul per head, far below the linears' rate,
+    so each kv head's ``group`` query heads are stacked as the rows of one SDPA item (one
+    larger matmul; the mask, no longer top-left, is ``fresh_block_mask``), and the queries go
+    ``FRESH_QUERY_BLOCK`` at a time, each block against the keys up to its own end: the
+    scores above the diagonal blocks are never computed."""
+    if q.device.type != "cpu":
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                             k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0),
+                                             is_causal=True, enable_gqa=True)  # (1, H, T, D)
+        return out[0].transpose(0, 1)
+    t, n_heads, dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    q = q.view(t, n_kv, group, dim).permute(1, 2, 0, 3)  # (n_kv, group, T, D), a view
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, n_kv, T, D)
+    out = q.new_empty(n_kv, group, t, dim)
+    for start in range(0, t, FRESH_QUERY_BLOCK):
+        end = min(start + FRESH_QUERY_BLOCK, t)
+        rows = q[:, :, start:end].reshape(1, n_kv, group * (end - start), dim)  # stacked
+        mask = fresh_block_mask(end - start, end, group, q, masks)
+        o = F.scaled_dot_product_attention(rows, k[:, :, :end], v[:, :, :end], attn_mask=mask)
+        out[:, :, start:end] = o.view(n_kv, group, end - start, dim)
+    return out.permute(2, 0, 1, 3).reshape(t, n_heads, dim)  # head = kv head * group + g
 
 
 class BatchedAttention:
@@ -124,6 +165,7 @@ class BatchedAttention:
                        for members in (decodes, chunks) if members]
         self.fresh = [(metadata.query_start_loc[b], metadata.query_start_loc[b + 1])  # rows
                       for b, n in enumerate(q_lens) if n > 1 and metadata.seq_lens[b] == n]
+        self.fresh_masks: dict = {}  # built at the first layer, read by the others
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer_idx, self.metadata.slot_mapping, k, v)
@@ -136,5 +178,6 @@ class BatchedAttention:
             o = attend(q[g.rows], keys, values, g.mask)  # (B, Q, H, D)
             out[g.rows[g.valid]] = o[g.valid]
         for start, end in self.fresh:  # fresh prompts: their keys are their own new ones
-            out[start:end] = attend_fresh(q[start:end], k[start:end], v[start:end])
+            out[start:end] = attend_fresh(q[start:end], k[start:end], v[start:end],
+                                          self.fresh_masks)
         return out

@@ -162,3 +162,28 @@ def test_fresh_prompts_attend_over_their_own_keys_without_reading_the_pool(monke
     md_next = AttentionMetadata.build(tables, [n - 2 for n in lengths], [2, 2, 2], block_size)
     BatchedAttention(pool, md_next)(0, q[:6], k[:6], v[:6])
     assert gathers == [1, 1]  # keys and values of the one chunk group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompt_over_several_query_blocks_equals_one_causal_call(dtype):
+    """A fresh prompt longer than FRESH_QUERY_BLOCK (three blocks, the last a partial one):
+    stacked heads and per-block masks give what one ``is_causal`` SDPA call gives; the masks
+    are built once and reused (the dict a step keeps for its layers)."""
+    from minivllm import attention
+
+    torch.manual_seed(0)
+    block = attention.FRESH_QUERY_BLOCK
+    t = 2 * block + 37
+    q, k, v = (torch.randn(t, h, 64, dtype=dtype) for h in (14, 2, 2))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    masks: dict = {}
+    got = attention.attend_fresh(q, k, v, masks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol), (got.float() - want.float()).abs().max()
+    assert sorted(masks) == [(37, t, 7, dtype), (block, block, 7, dtype), (block, 2 * block, 7, dtype)]
+    assert masks[(37, t, 7, dtype)].shape == (7 * 37, t)
+    kept = dict(masks)
+    attention.attend_fresh(q, k, v, masks)  # the next layer: the same tensors, none rebuilt
+    assert all(masks[key] is kept[key] for key in kept) and len(masks) == 3

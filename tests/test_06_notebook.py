@@ -103,7 +103,13 @@ MUTANTS = {
                                  "for members in (decodes,) if members]")]),
     # the fresh-prompt path
     "fresh prompts attended without the causal mask": (
-        ["batched_attention"], [("is_causal=True, enable_gqa=True)", "enable_gqa=True)")]),
+        ["batched_attention"], [("attn_mask=mask)", "attn_mask=None)")]),
+    "each block of a fresh prompt's queries masked as if it started at position 0": (
+        ["batched_attention"], [(".triu(keys - rows + 1)", ".triu(1)")]),
+    "a block of a fresh prompt's queries against only its own keys": (
+        ["batched_attention"], [("k[:, :, :end], v[:, :, :end]", "k[:, :, start:end], v[:, :, start:end]")]),
+    "a fresh prompt's heads put back in the wrong order": (
+        ["batched_attention"], [("out.permute(2, 0, 1, 3)", "out.permute(2, 1, 0, 3)")]),
     "a chunk after cached tokens taken for a fresh prompt (its cached keys ignored)": (
         ["batched_attention"], [("n > 1 and metadata.seq_lens[b] == n]",
                                  "n > 1 and metadata.seq_lens[b] >= n]")]),

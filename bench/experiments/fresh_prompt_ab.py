@@ -1,7 +1,9 @@
 """Prefill steps with notebook 06's fresh-prompt path (``attend_fresh``: each prompt with
 nothing cached attends over its own new keys, SDPA ``is_causal``, no pool read, no mask, no
 padding) against the same backend with fresh prompts sent through the gathered, masked,
-padded prefill group as before, alternated in one process.
+padded prefill group as before, alternated in one process. ``--arms "one call,fresh path"``
+compares instead the fresh path as it was before its CPU blocks (one ``is_causal`` SDPA call
+over all heads) with today's (each kv head's query heads stacked, 128 queries at a time).
 
 One engine, compiled as the server compiles it (the flat step calls the attention backend
 eagerly between its compiled halves, so switching ``runner.attention_cls`` switches the arm
@@ -9,19 +11,34 @@ for the next step). Shapes and rounds as in ``flat_step_ab.py``. Run it alone:
 
     python bench/experiments/fresh_prompt_ab.py --model checkpoints/qwen2.5-0.5b-random \\
         --shapes "0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481"
+    python bench/experiments/fresh_prompt_ab.py --model checkpoints/qwen2.5-0.5b-random \
+        --arms "one call,fresh path" --shapes "0:128;0:256;0:512;0:128,128,128,128;7:481"
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+import torch.nn.functional as F
 from flat_step_ab import run_shapes
 
+from minivllm import attention
 from minivllm.attention import BatchedAttention, build_group
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 
-ARMS = ("gathered", "fresh path")
+ARMS = ("gathered", "one call", "fresh path")
+SHIPPED_ATTEND_FRESH = attention.attend_fresh
+
+
+def attend_fresh_one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          masks: dict | None = None) -> torch.Tensor:
+    """The fresh path before its CPU blocks: one SDPA call, all heads, top-left is_causal."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True,
+                                         enable_gqa=True)  # (1, H, T, D)
+    return out[0].transpose(0, 1)
 
 
 class GatheredFreshPrompts(BatchedAttention):
@@ -44,6 +61,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--shapes", default="0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--arms", default="gathered,fresh path",
+                    help=f"two of {', '.join(ARMS)}, comma-separated")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
                                     compile_in_background=False))
@@ -51,10 +70,15 @@ def main() -> None:
     if runner.attention_cls is not BatchedAttention:
         raise SystemExit("this engine does not run notebook 06's BatchedAttention")
 
-    def use(arm: str) -> None:
-        runner.attention_cls = BatchedAttention if arm == "fresh path" else GatheredFreshPrompts
+    arms = tuple(args.arms.split(","))
+    if len(arms) != 2 or not set(arms) <= set(ARMS):
+        raise SystemExit(f"--arms: two of {ARMS}")
 
-    run_shapes(engine, args.shapes, args.rounds, ARMS, use)
+    def use(arm: str) -> None:  # the backend is built per step, attend_fresh read per call
+        runner.attention_cls = GatheredFreshPrompts if arm == "gathered" else BatchedAttention
+        attention.attend_fresh = attend_fresh_one_call if arm == "one call" else SHIPPED_ATTEND_FRESH
+
+    run_shapes(engine, args.shapes, args.rounds, arms, use)
 
 
 if __name__ == "__main__":

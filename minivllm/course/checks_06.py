@@ -194,10 +194,10 @@ def check_batched_attention(BatchedAttention) -> None:
     what = "Exercises 6.1-6.3 together (BatchedAttention)"
     gen = torch.Generator().manual_seed(6)
     n_heads, n_kv, dim, layer = 8, 2, 16, 1
-    # step 1: fresh prompts (a 1-token one and four longer), step 2: decodes of contexts
-    # 10..70 next to chunks of 3 and 8 tokens after 1 and 9 cached tokens (padded in one
-    # group) and a fresh prompt.
-    steps = [([0, 0, 0, 0, 0], [1, 9, 37, 5, 69]), ([1, 9, 37, 5, 69], [3, 1, 1, 8, 1])]
+    # step 1: fresh prompts (a 1-token one and four longer, the 169-token one over two
+    # blocks of 128 queries), step 2: decodes of contexts 10..170 next to chunks of 3 and 8
+    # tokens after 1 and 9 cached tokens (padded in one group) and a fresh prompt.
+    steps = [([0, 0, 0, 0, 0], [1, 9, 37, 5, 169]), ([1, 9, 37, 5, 169], [3, 1, 1, 8, 1])]
     lens = [sum(n[b] for _, n in steps) for b in range(5)] + [11]
     steps[1] = (steps[1][0] + [0], steps[1][1] + [11])
     for block_size in (1, 3, 16):
@@ -216,7 +216,7 @@ def check_batched_attention(BatchedAttention) -> None:
             q, k, v = (torch.cat([xs[b][c:c + n] for b, c, n in zip(members, done, new)])
                        for xs in (qs, ks, vs))
             where = f"{what}, block_size={block_size}, step {step + 1} " + (
-                "(fresh prompts)" if step == 0 else "(decodes of contexts 10..70, chunks "
+                "(fresh prompts)" if step == 0 else "(decodes of contexts 10..170, chunks "
                 "of 3 and 8 after 1 and 9 cached tokens, a fresh prompt)")
             backend = call_learner(f"{where}: BatchedAttention(pool, metadata)", BatchedAttention,
                                    pools[0], md)
