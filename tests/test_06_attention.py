@@ -187,3 +187,17 @@ def test_fresh_prompt_over_several_query_blocks_equals_one_causal_call(dtype):
     kept = dict(masks)
     attention.attend_fresh(q, k, v, masks)  # the next layer: the same tensors, none rebuilt
     assert all(masks[key] is kept[key] for key in kept) and len(masks) == 3
+
+
+def test_fresh_prompt_past_the_block_limit_takes_one_causal_call():
+    """Past FRESH_BLOCKS_MAX_TOKENS no block masks are built (they would grow with the
+    square of the length): one ``is_causal`` call, the same numbers."""
+    from minivllm import attention
+
+    torch.manual_seed(0)
+    t = attention.FRESH_BLOCKS_MAX_TOKENS + 1
+    q, k, v = (torch.randn(t, h, 16) for h in (4, 2, 2))
+    masks: dict = {}
+    got = attention.attend_fresh(q, k, v, masks)
+    assert masks == {}
+    assert torch.allclose(got, causal_attention(q, k, v), atol=1e-5)
