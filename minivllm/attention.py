@@ -128,9 +128,9 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     so each kv head's ``group`` query heads are stacked as the rows of one SDPA item (one
     larger matmul; the mask, no longer top-left, is ``fresh_block_mask``), and the queries go
     ``FRESH_QUERY_BLOCK`` at a time, each block against the keys up to its own end: the
-    scores above the diagonal blocks are never computed. Past ``FRESH_BLOCKS_MAX_TOKENS``
-    the flash kernel's own blocks are large enough (5-7 % slower than ours at 1536-2048
-    tokens), and the masks would take (T / 128)^2 / 2 blocks of 7 * 128 x 128 numbers."""
+    scores above the diagonal blocks are never computed. Past ``FRESH_BLOCKS_MAX_TOKENS``,
+    one call again: the blocks gain only 5-7 % there (1536-2048 tokens, measured), while
+    their masks grow with the square of T (~(T / 128)^2 / 2 tiles of 7 * 128 x 128)."""
     if q.device.type != "cpu" or q.shape[0] > FRESH_BLOCKS_MAX_TOKENS:
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
                                              k.transpose(0, 1).unsqueeze(0),
