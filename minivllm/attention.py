@@ -118,25 +118,31 @@ def fresh_block_mask(rows: int, keys: int, group: int, like: torch.Tensor,
     return mask
 
 
+def attend_fresh_in_one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A fresh prompt in one SDPA call over all heads: q (T, H, D), k/v (T, n_kv, D) ->
+    (T, H, D). Query i and key i are both position i, so top-left ``is_causal`` is exactly
+    the causal mask."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                         k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0),
+                                         is_causal=True, enable_gqa=True)  # (1, H, T, D)
+    return out[0].transpose(0, 1)
+
+
 def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  masks: dict | None = None) -> torch.Tensor:
     """One prompt with nothing cached, over its own new keys: q (T, H, D), k/v (T, n_kv, D)
     -> (T, H, D). Query i and key i are both position i: no pool read, no padding.
 
-    On a GPU, one SDPA call whose top-left ``is_causal`` is exactly the causal mask. On a
-    CPU, PyTorch's flash kernel runs one small matmul per head, far below the linears' rate,
-    so each kv head's ``group`` query heads are stacked as the rows of one SDPA item (one
-    larger matmul; the mask, no longer top-left, is ``fresh_block_mask``), and the queries go
-    ``FRESH_QUERY_BLOCK`` at a time, each block against the keys up to its own end: the
+    On a GPU, ``attend_fresh_in_one_call``. On a CPU, PyTorch's flash kernel runs one small
+    matmul per head, far below the linears' rate, so each kv head's ``group`` query heads are
+    stacked as the rows of one SDPA item (one larger matmul; the mask, no longer top-left, is
+    ``fresh_block_mask``), and the queries go ``FRESH_QUERY_BLOCK`` at a time, each block against the keys up to its own end: the
     scores above the diagonal blocks are never computed. Past ``FRESH_BLOCKS_MAX_TOKENS``,
     one call again: the blocks gain only 5-7 % there (1536-2048 tokens, measured), while
     their masks grow with the square of T (~(T / 128)^2 / 2 tiles of 7 * 128 x 128)."""
     if q.device.type != "cpu" or q.shape[0] > FRESH_BLOCKS_MAX_TOKENS:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
-                                             k.transpose(0, 1).unsqueeze(0),
-                                             v.transpose(0, 1).unsqueeze(0),
-                                             is_causal=True, enable_gqa=True)  # (1, H, T, D)
-        return out[0].transpose(0, 1)
+        return attend_fresh_in_one_call(q, k, v)
     t, n_heads, dim = q.shape
     n_kv = k.shape[1]
     group = n_heads // n_kv

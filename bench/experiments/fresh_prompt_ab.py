@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from flat_step_ab import run_shapes
 
 from minivllm import attention
@@ -34,11 +33,8 @@ SHIPPED_ATTEND_FRESH = attention.attend_fresh
 
 def attend_fresh_one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           masks: dict | None = None) -> torch.Tensor:
-    """The fresh path before its CPU blocks: one SDPA call, all heads, top-left is_causal."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True,
-                                         enable_gqa=True)  # (1, H, T, D)
-    return out[0].transpose(0, 1)
+    """The fresh path before its CPU blocks, with ``attend_fresh``'s signature."""
+    return attention.attend_fresh_in_one_call(q, k, v)
 
 
 class GatheredFreshPrompts(BatchedAttention):
