@@ -21,9 +21,12 @@ qualified name (vLLM's ``worker_cls``), the runner each ``EngineConfig`` option 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -290,6 +293,33 @@ class LLMEngine:
         return self.structured
 
 
+FRAME_ROOM_SLOTS = 7200  # unused locals of the frame the step loops start from
+
+
+def _call(fn: Callable, *args):
+    return fn(*args)
+
+
+@functools.cache
+def _caller_with_slots(slots: int) -> Callable:
+    """``_call`` with ``slots`` more local variables, never used: CPython sizes a frame by
+    its code's count of locals, so this frame is ``slots`` x 8 bytes larger."""
+    code = _call.__code__
+    names = code.co_varnames + tuple(f"_unused_{i}" for i in range(slots))
+    return types.FunctionType(code.replace(co_varnames=names, co_nlocals=len(names)),
+                              _call.__globals__, "call_from_frame_room")
+
+
+def call_with_frame_room(fn: Callable, *args):
+    """``fn(*args)``, called from a frame that opens a fresh chunk of CPython's frame stack.
+
+    CPython (3.11+) needs ``(frame + 1000 slots) x 8`` bytes for the new chunk and rounds
+    that up to 16 KB x 2^k: 8 x 8200 B -> 128 KB, of which ~73 KB lie above this frame. A
+    loop run from here keeps that chunk until it returns, so no step maps and unmaps one.
+    Python 3.10 keeps frames elsewhere: there this is only a larger frame."""
+    return _caller_with_slots(FRAME_ROOM_SLOTS)(fn, *args)
+
+
 class LLM:
     """vLLM-shaped offline API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
 
@@ -323,6 +353,14 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
+        call_with_frame_room(self._step_until_finished, ids, final, bar)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def _step_until_finished(self, ids: list[str], final: dict[str, RequestOutput],
+                             bar) -> None:
+        """``generate``'s loop: step until every request in ``ids`` has its final output."""
         while len(final) < len(ids):
             for out in self.engine.step():
                 if out.error is not None:
@@ -333,9 +371,6 @@ class LLM:
                     final[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [final[i] for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:

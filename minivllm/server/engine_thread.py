@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from minivllm.engine import LLMEngine, RequestOutput
+from minivllm.engine import LLMEngine, RequestOutput, call_with_frame_room
 from minivllm.protocol import OpenAIError, merge_outputs
 from minivllm.sampling import SamplingParams
 
@@ -88,7 +88,9 @@ class AsyncEngine:
         self.burst_gap_s, self.burst_window_s = burst_gap_s, burst_window_s
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        # the step loop starts from a frame chunk of its own (notebook 03's LLM.generate too)
+        self._thread = threading.Thread(target=call_with_frame_room, args=(self._run,),
+                                        name="minivllm-engine", daemon=True)
         self._build = engine if callable(engine) else None
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.metrics = None  # a ServerMetrics (build_app sets it), fed by the engine thread
