@@ -305,9 +305,15 @@ def test_transformers_serve_gets_the_kv_token_slots_of_our_pool(tiny_model, opti
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
 model name\t: AMD EPYC 9R45 (Zen 5)
+stepping\t: 1
 flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni avx512vl
+
 processor\t: 1
+cpu family\t: 26
+model\t\t: 2
 model name\t: AMD EPYC 9R45 (Zen 5)
 flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_vnni avx512vl
 """
@@ -318,15 +324,17 @@ def test_cpu_features_name_the_cpu_and_its_bf16():
     flags that decide it travel with every result."""
     cpu = cpu_features(CPUINFO)
     assert cpu == {"model_name": "AMD EPYC 9R45 (Zen 5)",
+                   "generation": "family 26 model 2 stepping 1",
                    "flags": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"],
                    "native_bf16": True}
     avx2 = cpu_features("model name : Some CPU\nflags : sse2 avx2 fma\n")
     assert avx2["flags"] == ["avx2", "fma"] and not avx2["native_bf16"]
+    assert avx2["generation"] is None  # no family/model lines (lscpu's own words, or Arm)
     zen5 = cpu_features("model name : AMD EPYC\nflags : avx2 avx512_vnni avx_vnni avx512_bf16\n")
     assert zen5["flags"] == ["avx2", "avx512_vnni", "avx_vnni", "avx512_bf16"]  # not a Zen 4
     line = machine_line({"cpu": cpu, "cpu_count": 2, "torch_threads": 2, "device": "cpu"})
-    assert line == ("CPU: AMD EPYC 9R45 (Zen 5) (2 CPUs, 2 torch threads); "
-                    "bf16 native (avx512_bf16)")
+    assert line == ("CPU: AMD EPYC 9R45 (Zen 5) (2 CPUs, family 26 model 2 stepping 1, "
+                    "2 torch threads); bf16 native (avx512_bf16)")
     assert "bf16 not native (avx2, fma)" in machine_line({"cpu": avx2})
     capped = {"cpu": cpu, "isa_caps": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
     assert machine_line(capped).endswith("bf16 native (avx512_bf16); capped: ONEDNN_MAX_CPU_ISA=AVX2")

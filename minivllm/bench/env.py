@@ -198,14 +198,34 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
 BF16_FLAGS = NATIVE_BF16_FLAGS  # the rule dtype="auto" follows, so the record says what it saw
 
 
+def cpu_generation(cpuinfo: str) -> str | None:
+    """``"family 25 model 17 stepping 1"`` from /proc/cpuinfo (x86), else None. A VM often
+    names its CPU only "AMD EPYC": these three numbers tell a Zen 4 from a Zen 5."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("cpu family", "model", "stepping") and key not in fields:
+            fields[key] = value.strip()
+        elif not line.strip() and fields:  # the first processor's block is enough
+            break
+    if "cpu family" not in fields or "model" not in fields:
+        return None
+    words = f"family {fields['cpu family']} model {fields['model']}"
+    return words + (f" stepping {fields['stepping']}" if "stepping" in fields else "")
+
+
 def cpu_features(cpuinfo: str | None = None) -> dict:
-    """The CPU's model name, which of ``CPU_FLAGS`` it has, and whether it executes bf16
-    natively: this machine's (the flags ``dtype="auto"`` reads, ``config.cpu_flags``), or
-    those ``cpuinfo`` text describes (``config.parse_cpuinfo``, the same parser)."""
-    name, flags = parse_cpuinfo(read_cpuinfo() if cpuinfo is None else cpuinfo)
+    """The CPU's model name and generation, which of ``CPU_FLAGS`` it has, and whether it
+    executes bf16 natively: this machine's (the flags ``dtype="auto"`` reads,
+    ``config.cpu_flags``), or those ``cpuinfo`` text describes (``config.parse_cpuinfo``,
+    the same parser)."""
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    name, flags = parse_cpuinfo(text)
     if cpuinfo is None:
         flags = cpu_flags()
     return {"model_name": name or platform.processor() or platform.machine(),
+            "generation": cpu_generation(text),
             "flags": [f for f in CPU_FLAGS if f in flags],
             "native_bf16": any(f in flags for f in BF16_FLAGS)}
 
@@ -249,5 +269,6 @@ def machine_line(env: dict) -> str:
     gpu = f"; GPU: {env['device_name']}" if str(env.get("device", "")).startswith("cuda") else ""
     caps = env.get("isa_caps") or {}
     capped = "; capped: " + ", ".join(f"{k}={v}" for k, v in caps.items()) if caps else ""
-    return (f"CPU: {cpu.get('model_name', '?')} ({env.get('cpu_count', '?')} CPUs, "
+    generation = f", {cpu['generation']}" if cpu.get("generation") else ""
+    return (f"CPU: {cpu.get('model_name', '?')} ({env.get('cpu_count', '?')} CPUs{generation}, "
             f"{env.get('torch_threads', '?')} torch threads); {native}{capped}{gpu}")
