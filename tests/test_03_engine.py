@@ -75,7 +75,7 @@ def test_call_with_frame_room_calls_through_one_large_frame():
 
 
 def _faults_per_round(loop_depth: int, rounds: int = 200) -> float:
-    """Minor page faults per call of a three-frame callee, made ``rounds`` times by a loop that
+    """Minor page faults per call of a callee two frames deep, made ``rounds`` times by a loop that
     sits ``loop_depth`` small frames above where it started (this thread's faults only)."""
     def leaf():
         return 1
