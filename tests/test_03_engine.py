@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from frame_room import under_frame_room
 from hf_oracle import hf_greedy, hf_logprobs
 
 from minivllm import LLM, SamplingParams
@@ -50,16 +51,6 @@ def test_many_prompts_with_preemption_and_chunking_match_transformers(random_eng
         assert out.outputs[0].token_ids == hf_greedy(random_engine_model, prompt, 20), f"prompt {i}"
         assert out.outputs[0].finish_reason == "length"
     assert _all_blocks_free(llm)
-
-
-def _under_frame_room() -> bool:
-    """Whether a frame of ``call_with_frame_room`` is on the calling thread's stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_nlocals >= FRAME_ROOM_SLOTS:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def test_call_with_frame_room_calls_through_one_large_frame():
@@ -123,7 +114,7 @@ def test_generate_steps_from_the_frame_room(tiny_model):
     real_step = llm.engine.step
 
     def step():
-        seen.append(_under_frame_room())
+        seen.append(under_frame_room())
         return real_step()
 
     llm.engine.step = step

@@ -329,27 +329,25 @@ def test_engine_is_built_in_the_thread_that_steps_it(tiny_model):
     model decoded 30% slower); a loop that is not started from the frame room (a chunk of
     CPython's frame stack mapped and unmapped every step); and a failed load hanging
     start() instead of raising."""
+    from frame_room import under_frame_room
+
     from minivllm.config import EngineConfig
-    from minivllm.engine import FRAME_ROOM_SLOTS, LLMEngine
+    from minivllm.engine import LLMEngine
     from minivllm.server.engine_thread import AsyncEngine
 
-    built_in, under_frame_room = [], []
+    built_in, in_frame_room = [], []
 
     def build():
         built_in.append(threading.current_thread())
         # the engine thread's loop starts from notebook 03's frame room (call_with_frame_room)
-        frame, sizes = sys._getframe(), []
-        while frame is not None:
-            sizes.append(frame.f_code.co_nlocals)
-            frame = frame.f_back
-        under_frame_room.append(max(sizes) >= FRAME_ROOM_SLOTS)
+        in_frame_room.append(under_frame_room())
         return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=64, max_model_len=128,
                                       compile=False))
 
     engine = AsyncEngine(build)
     engine.start()
     try:
-        assert built_in == [engine._thread] and engine.is_alive and under_frame_room == [True]
+        assert built_in == [engine._thread] and engine.is_alive and in_frame_room == [True]
         assert engine.max_model_len == 128 and engine.stats["num_free_blocks"] == 64
         engine.start()  # a second start (the app's lifespan) changes nothing
         assert built_in == [engine._thread]
