@@ -51,6 +51,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.config import ATTENTION_BACKENDS, EngineConfig, ModelConfig, resolve_qualname
+from minivllm.engine import call_with_frame_room
 from minivllm.model import QwenForCausalLM, _checkpoint_files, _skip_init, causal_attention
 from minivllm.runner import ModelInputs, ModelRunner
 
@@ -587,7 +588,9 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
     tp = TPGroup(rank, world_size, *_init_group(rank, world_size, device_, store))
     try:
         model = load_sharded_model(model_path, tp, getattr(torch, dtype), device_)
-        _serve(tp, WorkerRunner(config, model, device_))
+        # the step loop from notebook 03's frame room, as rank 0's engine loop runs: no
+        # chunk of CPython's frame stack mapped and unmapped every step
+        call_with_frame_room(_serve, tp, WorkerRunner(config, model, device_))
     finally:
         tp.leave()
 

@@ -134,6 +134,29 @@ def test_tp1_keeps_the_plain_model():
     assert type(llm.engine.runner.model) is QwenForCausalLM
 
 
+def test_a_worker_serves_from_the_frame_room(monkeypatch):
+    """Guards: a worker rank's step loop (``_serve``) not started from notebook 03's frame
+    room, where a chunk of CPython's frame stack can be mapped and unmapped every step (rank
+    0's engine loop starts from it). The group and the shard are stand-ins: only the call
+    path into the loop is under test."""
+    import types
+
+    from frame_room import under_frame_room
+
+    from minivllm import parallel
+    from minivllm.config import EngineConfig
+
+    served = []
+    model = types.SimpleNamespace(config=ModelConfig.from_pretrained(TINY_MODEL))
+    monkeypatch.setattr(parallel, "_init_group", lambda *args: (None, None))
+    monkeypatch.setattr(parallel, "load_sharded_model", lambda *args: model)
+    monkeypatch.setattr(parallel, "_serve", lambda tp, runner: served.append(
+        (tp.rank, runner.model is model, under_frame_room())))
+    parallel.run_worker(1, 2, str(TINY_MODEL), "float32", "cpu", None,
+                        EngineConfig(model=str(TINY_MODEL)), torch.get_num_threads())
+    assert served == [(1, True, True)]
+
+
 @pytest.mark.parametrize("logits_rows", [[0, 3], []])
 def test_model_inputs_travel_whole(logits_rows):
     """What rank 0 broadcasts decodes to the very ModelInputs its runner got (a step without
