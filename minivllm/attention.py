@@ -137,10 +137,11 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     On a GPU, ``attend_fresh_in_one_call``. On a CPU, PyTorch's flash kernel runs one small
     matmul per head, far below the linears' rate, so each kv head's ``group`` query heads are
     stacked as the rows of one SDPA item (one larger matmul; the mask, no longer top-left, is
-    ``fresh_block_mask``), and the queries go ``FRESH_QUERY_BLOCK`` at a time, each block against the keys up to its own end: the
-    scores above the diagonal blocks are never computed. Past ``FRESH_BLOCKS_MAX_TOKENS``,
-    one call again: the blocks gain only 5-7 % there (1536-2048 tokens, measured), while
-    their masks grow with the square of T (~(T / 128)^2 / 2 tiles of 7 * 128 x 128)."""
+    ``fresh_block_mask``), and the queries go ``FRESH_QUERY_BLOCK`` at a time, each block
+    against the keys up to its own end: the scores above the diagonal blocks are never
+    computed. Past ``FRESH_BLOCKS_MAX_TOKENS``, one call again: the blocks gain only 5-7 %
+    there (1536-2048 tokens, measured), while their masks grow with the square of T
+    (~(T / 128)^2 / 2 tiles of 7 * 128 x 128)."""
     if q.device.type != "cpu" or q.shape[0] > FRESH_BLOCKS_MAX_TOKENS:
         return attend_fresh_in_one_call(q, k, v)
     t, n_heads, dim = q.shape

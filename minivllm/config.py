@@ -20,6 +20,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -180,23 +181,35 @@ def read_cpuinfo() -> str:
         return ""
 
 
-def parse_cpuinfo(cpuinfo: str) -> tuple[str | None, frozenset[str]]:
-    """(model name, instruction-set flags) from /proc/cpuinfo or lscpu text; the one parser
+class CpuInfo(NamedTuple):
+    """What /proc/cpuinfo (or lscpu) says of the first CPU."""
+
+    name: str | None  # "model name": a VM's is often only "AMD EPYC"
+    flags: frozenset[str]  # instruction-set extensions, as Linux names them
+    generation: str | None  # x86: "family 25 model 17 stepping 1" (a Zen 4, not a Zen 5)
+
+
+def parse_cpuinfo(cpuinfo: str) -> CpuInfo:
+    """The first processor's ``CpuInfo`` from /proc/cpuinfo or lscpu text; the one parser
     that both dtype="auto" and the benchmark's record of the machine read."""
-    name, flags = None, None
+    fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key == "model name" and name is None:
-            name = value.strip()
-        elif key in ("flags", "features") and flags is None:
-            flags = frozenset(value.split())
-    return name, flags or frozenset()
+        key = key.strip().lower().replace("features", "flags")  # Arm says "Features"
+        if key in ("model name", "flags", "cpu family", "model", "stepping"):
+            fields.setdefault(key, value.strip())  # the first processor's line
+    generation = None
+    if "cpu family" in fields and "model" in fields:
+        generation = f"family {fields['cpu family']} model {fields['model']}"
+        if "stepping" in fields:
+            generation += f" stepping {fields['stepping']}"
+    return CpuInfo(fields.get("model name"), frozenset(fields.get("flags", "").split()),
+                   generation)
 
 
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags of this CPU, as Linux names them in /proc/cpuinfo."""
-    flags = parse_cpuinfo(read_cpuinfo())[1]
+    flags = parse_cpuinfo(read_cpuinfo()).flags
     if flags:
         return flags
     # not Linux: ask the probes torch itself uses to pick its kernels

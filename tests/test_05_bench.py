@@ -329,7 +329,14 @@ def test_cpu_features_name_the_cpu_and_its_bf16():
                    "native_bf16": True}
     avx2 = cpu_features("model name : Some CPU\nflags : sse2 avx2 fma\n")
     assert avx2["flags"] == ["avx2", "fma"] and not avx2["native_bf16"]
-    assert avx2["generation"] is None  # no family/model lines (lscpu's own words, or Arm)
+    assert avx2["generation"] is None  # no family/model lines
+    lscpu = cpu_features("Model name:  AMD EPYC\nCPU family:  25\nModel:  17\nThread(s) per "
+                         "core:  1\nStepping:  1\nFlags:  sse2 avx2 avx512_bf16\n")
+    assert lscpu["generation"] == "family 25 model 17 stepping 1"  # lscpu's words: a Zen 4
+    assert lscpu["model_name"] == "AMD EPYC" and lscpu["native_bf16"]
+    arm = cpu_features("processor : 0\nFeatures : fp asimd sve bf16\nCPU part : 0xd40\n\n"
+                       "processor : 1\nFeatures : fp\n")
+    assert arm["flags"] == ["asimd", "sve", "bf16"] and arm["generation"] is None  # the first CPU's
     zen5 = cpu_features("model name : AMD EPYC\nflags : avx2 avx512_vnni avx_vnni avx512_bf16\n")
     assert zen5["flags"] == ["avx2", "avx512_vnni", "avx_vnni", "avx512_bf16"]  # not a Zen 4
     line = machine_line({"cpu": cpu, "cpu_count": 2, "torch_threads": 2, "device": "cpu"})

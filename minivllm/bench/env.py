@@ -198,34 +198,16 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
 BF16_FLAGS = NATIVE_BF16_FLAGS  # the rule dtype="auto" follows, so the record says what it saw
 
 
-def cpu_generation(cpuinfo: str) -> str | None:
-    """``"family 25 model 17 stepping 1"`` from /proc/cpuinfo (x86), else None. A VM often
-    names its CPU only "AMD EPYC": these three numbers tell a Zen 4 from a Zen 5."""
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("cpu family", "model", "stepping") and key not in fields:
-            fields[key] = value.strip()
-        elif not line.strip() and fields:  # the first processor's block is enough
-            break
-    if "cpu family" not in fields or "model" not in fields:
-        return None
-    words = f"family {fields['cpu family']} model {fields['model']}"
-    return words + (f" stepping {fields['stepping']}" if "stepping" in fields else "")
-
-
 def cpu_features(cpuinfo: str | None = None) -> dict:
     """The CPU's model name and generation, which of ``CPU_FLAGS`` it has, and whether it
     executes bf16 natively: this machine's (the flags ``dtype="auto"`` reads,
     ``config.cpu_flags``), or those ``cpuinfo`` text describes (``config.parse_cpuinfo``,
     the same parser)."""
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
-    name, flags = parse_cpuinfo(text)
-    if cpuinfo is None:
-        flags = cpu_flags()
-    return {"model_name": name or platform.processor() or platform.machine(),
-            "generation": cpu_generation(text),
+    info = parse_cpuinfo(text)
+    flags = cpu_flags() if cpuinfo is None else info.flags
+    return {"model_name": info.name or platform.processor() or platform.machine(),
+            "generation": info.generation,  # a VM's "AMD EPYC": a Zen 4 or a Zen 5?
             "flags": [f for f in CPU_FLAGS if f in flags],
             "native_bf16": any(f in flags for f in BF16_FLAGS)}
 
