@@ -522,14 +522,29 @@ def after_attention(layer: nn.Module, x: torch.Tensor, attn_out: torch.Tensor) -
 
 def flat_hidden(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionFn, before: Callable = before_attention,
-                after: Callable = after_attention) -> torch.Tensor:
-    """The model's forward, each layer as ``before`` -> ``attn`` -> ``after``: (T,) -> (T, hidden)."""
+                after: Callable = after_attention,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's forward, each layer as ``before`` -> ``attn`` -> ``after``: (T,) -> (T,
+    hidden), or (R, hidden) for ``rows`` (R,) alone.
+
+    Given ``rows`` (the step's logits rows), the last layer runs past its attention for
+    those rows only: every row's keys and values, all that later tokens read, are in the
+    pool once its attention has run, and the other rows' outputs would feed nothing but the
+    final norm and the lm_head. Its out projection and MLP are ~4 % of a 24-layer model's
+    weights, multiplied by every row of a prompt chunk (llama.cpp skips them the same way)."""
     x = model.model.embed_tokens(input_ids)  # (T, hidden)
     cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta)
-    for layer in model.model.layers:
+    *layers, last = model.model.layers
+    for layer in layers:
         q, k, v = before(layer, x, cos, sin)
         x = after(layer, x, attn(layer.self_attn.layer_idx, q, k, v))
-    return model.model.norm(x)
+    q, k, v = before(last, x, cos, sin)
+    out = attn(last.self_attn.layer_idx, q, k, v)  # (T, Hq, D); the pool holds every row's k/v
+    if rows is not None:
+        if rows.numel() == 0:  # no logits wanted: a prompt's chunk before its last
+            return x.new_empty(0, x.shape[-1])
+        x, out = x[rows], out[rows]  # (R, hidden), (R, Hq, D)
+    return model.model.norm(after(last, x, out))
 
 
 class CompiledFlatStep:
@@ -542,22 +557,27 @@ class CompiledFlatStep:
         self._before = torch.compile(before_attention, dynamic=True)
         self._after = torch.compile(after_attention, dynamic=True)
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               attn: AttentionFn) -> torch.Tensor:
-        """(T,) ids and positions, T >= 2 -> (T, hidden), writing the step's k/v through attn."""
-        return flat_hidden(self.model, input_ids, positions, attn, self._before, self._after)
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T,) ids and positions, T >= 2 -> (T, hidden), or (R, hidden) for ``rows``,
+        writing the step's k/v through attn."""
+        return flat_hidden(self.model, input_ids, positions, attn, self._before, self._after,
+                           rows)
 
     @torch.inference_mode()  # the engine steps in inference mode: compile for that mode
     def warmup(self, block_size: int, scratch_block: int, device: torch.device) -> float:
         """Compile both graphs: one new token beside a 10-token chunk (T = 11, a size no other
-        dimension has), every k/v written into the scratch block."""
+        dimension has), every k/v written into the scratch block; then the last layer's
+        ``after`` for one row, a graph of its own (dynamo specialises a size of 1): a lone
+        prompt's step wants one row's logits."""
         start = time.perf_counter()
         table = [scratch_block] * -(-10 // block_size)  # every block of both: the scratch block
         metadata = AttentionMetadata.build([table, table], [0, 0], [1, 10], block_size, device,
                                            pad_block=scratch_block)
         positions = torch.tensor([0, *range(10)], device=device)
-        self.hidden(torch.zeros(11, dtype=torch.long, device=device), positions,
-                    self.attention(metadata))
+        for rows in ([0, 10], [10]):  # two rows (the symbolic graph), then one
+            self.hidden(torch.zeros(11, dtype=torch.long, device=device), positions,
+                        self.attention(metadata), torch.tensor(rows, device=device))
         seconds = time.perf_counter() - start
         logger.info("compile warm-up: the flat step (prefill and mixed batches): %.1f s", seconds)
         return seconds
@@ -898,14 +918,15 @@ class CompiledRunner(ModelRunner):
         return out
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attn: AttentionFn) -> torch.Tensor:
+                      attn: AttentionFn, rows: torch.Tensor) -> torch.Tensor:
         """Every step that is not a pure decode (notebook 03's ``forward`` calls this): the
-        compiled flat step once it is built, the eager model before that, without
-        ``compile_flat_steps``, and for a step of one token (a graph of its own for T = 1)."""
+        compiled flat step once it is built (its last layer past attention for ``rows``
+        only), the eager model before that, without ``compile_flat_steps``, and for a step of
+        one token (a graph of its own for T = 1)."""
         flat = self._decoder.flat if self._decoder is not None else None  # swapped in by execute
         if flat is None or input_ids.shape[0] < 2:
-            return super().hidden_states(input_ids, positions, attn)
-        return flat.hidden(input_ids, positions, attn)
+            return super().hidden_states(input_ids, positions, attn, rows)
+        return flat.hidden(input_ids, positions, attn, rows)
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """The compiled step's sampler: the logits processors beside the graph, eagerly, on

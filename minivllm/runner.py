@@ -179,17 +179,20 @@ class ModelRunner:
                                            inputs.num_new, self.config.block_size, self.device,
                                            pad_block=self.num_blocks)  # padding: scratch block
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+        rows = as_tensor(inputs.logits_rows)  # (R,)
         hidden = self.hidden_states(as_tensor(inputs.input_ids), as_tensor(inputs.positions),
-                                    self.attention_cls(self.pool, metadata))  # (T, hidden)
+                                    self.attention_cls(self.pool, metadata), rows)  # (R, hidden)
         if not inputs.logits_rows:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[as_tensor(inputs.logits_rows)])  # (R, V)
+        return self.model.compute_logits(hidden)  # (R, V)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attn: Callable) -> torch.Tensor:
-        """The model's forward over the flat batch: (T,) ids and positions -> (T, hidden).
-        (Notebook 07's runner compiles the layers around ``attn`` here.)"""
-        return self.model(input_ids, positions, attn)
+                      attn: Callable, rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward over the flat batch, every token's keys and values written
+        through ``attn``: (T,) ids and positions -> the final hidden states of ``rows`` (R,
+        hidden), the rows whose logits the step wants. (Notebook 07's runner compiles the
+        layers around ``attn`` here, and runs its last layer past attention for ``rows`` only.)"""
+        return self.model(input_ids, positions, attn)[rows]
 
     def record_prompt_logprobs(self, spans: list[tuple[Sequence, int, int]],
                                logits: torch.Tensor, out: RunnerOutput) -> None:

@@ -785,8 +785,10 @@ def _mixed_step(model, pool, block_size: int, scratch: int):
 def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tiny_model, dtype):
     """Guards: a graph compiled per layer (24 pairs on the 0.5B model, minutes of start-up)
     because something per layer (a packed linear's handle as an int) became a constant of
-    the graph; a new token count recompiling; the two halves computing another function
-    than the model's own forward (merged and, in bf16, packed weights included)."""
+    the graph; a new token count or row count recompiling; the two halves computing another
+    function than the model's own forward (merged and, in bf16, packed weights included);
+    the last layer past attention run for other rows than the logits rows asked for, or
+    for every row, or without writing every row's keys and values."""
     from torch._dynamo.utils import counters
 
     from minivllm.attention import BatchedAttention
@@ -805,8 +807,9 @@ def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tin
     flat = CompiledFlatStep(model, lambda md: BatchedAttention(pool, md))
     graphs = counters["stats"]["unique_graphs"]
     flat.warmup(block_size, scratch, torch.device("cpu"))
-    # two graphs for all layers (none: an earlier test compiled the same halves already)
-    assert mc.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] - graphs <= 2
+    # two graphs for all layers and the one-row rest of the last layer (none: an earlier
+    # test compiled the same already)
+    assert mc.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] - graphs <= 3
     graphs = counters["stats"]["unique_graphs"]
     pool.kv.normal_()
     saved = pool.kv.clone()
@@ -825,6 +828,24 @@ def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tin
     with torch.inference_mode():  # the same keys and values written into the pool
         flat.hidden(ids, positions, BatchedAttention(pool, md))
     torch.testing.assert_close(pool.kv, eager_kv, **tolerance)
+    # only the logits rows past the last layer's attention: the same rows of the same
+    # function, every row's keys and values still written, and no new graph for any count
+    after_rows, after = [], flat._after
+    flat._after = lambda layer, x, out: after_rows.append(len(x)) or after(layer, x, out)
+    try:
+        for rows in ([14], [0, 9, 14], [], list(range(15))):
+            pool.kv.copy_(saved)
+            with torch.inference_mode():
+                some = flat.hidden(ids, positions, BatchedAttention(pool, md), torch.tensor(rows))
+            assert some.shape == (len(rows), mc.hidden_size)
+            torch.testing.assert_close(some, eager[rows], **tolerance)
+            torch.testing.assert_close(pool.kv, eager_kv, **tolerance)
+            layers = mc.num_hidden_layers
+            assert after_rows == [15] * (layers - 1) + ([len(rows)] if rows else []), rows
+            after_rows.clear()
+    finally:
+        flat._after = after
+    assert counters["stats"]["unique_graphs"] == graphs, "a row count recompiled"
 
 
 def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, random_engine_model):
@@ -849,7 +870,7 @@ def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, ran
         md = AttentionMetadata.build([[0]], [3], [1], 8, "cpu", pad_block=runner.num_blocks)
         with torch.inference_mode():
             runner.hidden_states(torch.tensor([5]), torch.tensor([3]),
-                                 runner.attention_cls(runner.pool, md))
+                                 runner.attention_cls(runner.pool, md), torch.tensor([0]))
         assert calls == [12], "a one-token step took the flat step"
         assert counters["stats"]["unique_graphs"] == graphs
     finally:
