@@ -83,19 +83,31 @@ def parse_shape(text: str) -> tuple[int, list[int]]:
     return int(decodes), [int(n) for n in prompts.split(",") if n]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shapes_parser(description: str, shapes: str, rounds: int = 6) -> argparse.ArgumentParser:
+    """The options of every A/B built on ``run_shapes``: model, dtype, step shapes, rounds."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--shapes", default="0:128;0:128,128,128,128;31:128;31:481;7:128",
+    ap.add_argument("--shapes", default=shapes,
                     help="DECODES:PROMPT,PROMPT,...; several separated by ';'")
-    ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
+    ap.add_argument("--rounds", type=int, default=rounds)
+    return ap
+
+
+def compiled_engine(model: str, dtype: str) -> LLMEngine:
+    """One engine compiled as the server compiles it, in the foreground; exits where its flat
+    step did not compile (the A/Bs here switch parts of that step)."""
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, compile=True,
                                     compile_in_background=False))
     if engine.runner.decoder is None or engine.runner.decoder.flat is None:
         raise SystemExit("the flat step did not compile here")
-    run_shapes(engine, args.shapes, args.rounds)
+    return engine
+
+
+def main() -> None:
+    args = shapes_parser(__doc__.splitlines()[0],
+                         "0:128;0:128,128,128,128;31:128;31:481;7:128").parse_args()
+    run_shapes(compiled_engine(args.model, args.dtype), args.shapes, args.rounds)
 
 
 def run_shapes(engine: LLMEngine, shapes: str, rounds: int, arms: tuple[str, str] = ARMS,

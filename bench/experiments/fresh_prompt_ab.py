@@ -17,15 +17,11 @@ for the next step). Shapes and rounds as in ``flat_step_ab.py``. Run it alone:
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from flat_step_ab import run_shapes
+from flat_step_ab import compiled_engine, run_shapes, shapes_parser
 
 from minivllm import attention
 from minivllm.attention import BatchedAttention, build_group
-from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
 
 ARMS = ("gathered", "one call", "fresh path")
 SHIPPED_ATTEND_FRESH = attention.attend_fresh
@@ -52,16 +48,12 @@ class GatheredFreshPrompts(BatchedAttention):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--shapes", default="0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap = shapes_parser(__doc__.splitlines()[0],
+                       "0:128;0:512;0:128,128,128,128;0:13,243,40,120;31:128;7:481")
     ap.add_argument("--arms", default="gathered,fresh path",
                     help=f"two of {', '.join(ARMS)}, comma-separated")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
-                                    compile_in_background=False))
+    engine = compiled_engine(args.model, args.dtype)
     runner = engine.runner
     if runner.attention_cls is not BatchedAttention:
         raise SystemExit("this engine does not run notebook 06's BatchedAttention")

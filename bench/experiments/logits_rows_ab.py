@@ -14,13 +14,13 @@ thirteenth part).
 
 from __future__ import annotations
 
-import argparse
-
-from flat_step_ab import run_shapes  # bench/experiments/ is on the path of a script run from it
+from flat_step_ab import (  # bench/experiments/ is on the path of a script run from it
+    compiled_engine,
+    run_shapes,
+    shapes_parser,
+)
 
 from minivllm.compile import CompiledRunner
-from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
 
 ARMS = ("every row", "logits rows")
 SHIPPED = CompiledRunner.hidden_states
@@ -35,16 +35,9 @@ def every_row(runner: CompiledRunner, input_ids, positions, attn, rows):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--shapes", default="0:128;0:128,128,128,128;28:484")
-    ap.add_argument("--rounds", type=int, default=8)
-    args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, compile=True,
-                                    compile_in_background=False))
-    if not isinstance(engine.runner, CompiledRunner) or engine.runner.decoder.flat is None:
-        raise SystemExit("the flat step did not compile here")
+    args = shapes_parser(__doc__.splitlines()[0], "0:128;0:128,128,128,128;28:484",
+                         rounds=8).parse_args()
+    engine = compiled_engine(args.model, args.dtype)
 
     def use(arm: str) -> None:  # read per step by notebook 03's forward
         CompiledRunner.hidden_states = every_row if arm == "every row" else SHIPPED
