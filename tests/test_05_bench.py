@@ -797,3 +797,33 @@ def test_interleaved_short_run_with_an_isolated_engine(tiny_model, tmp_path):
     _check_records(records, "minivllm", ["fixed", "mixed"])
     assert all(r["interleaved"] for r in records)
     assert records[0]["peak_memory_kind"] == "rss" and records[0]["peak_memory_bytes"] > 0
+
+
+def test_monitor_times_the_memory_read_outside_the_run():
+    """Each level's record carries the machine's memory read rate just before and just after
+    it, taken outside the run: the probe's buffer is never in the engine's peak memory."""
+    import psutil
+
+    from minivllm.bench.env import Monitor, memory_read_gbs
+
+    assert memory_read_gbs(8 * 2**20, repeats=2) > 0
+    probe = 512 * 2**20  # in this process, as for an in-process engine
+    before = psutil.Process().memory_info().rss
+    with Monitor(os.getpid(), memory_probe_bytes=probe) as mon:
+        time.sleep(0.3)
+    rates = mon.load()["memory_read_gbs"]
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+    assert mon.peak_memory_bytes < before + probe // 2  # the buffer came and went outside
+    with Monitor(None, memory_probe_bytes=0) as off:
+        pass
+    assert off.load()["memory_read_gbs"] == []
+
+
+def test_table_shows_the_memory_read_rate_before_and_after():
+    base = {"engine": "minivllm", "workload": "fixed", "completed": 1, "failures": 0,
+            "output_throughput": 10.0}
+    records = [{**base, "concurrency": 1, "load": {"memory_read_gbs": [47.2, 30.4]}},
+               {**base, "concurrency": 8, "load": {}}]  # a record from before the probe
+    header, one, eight = format_table(records).splitlines()[:3]
+    assert "mem GB/s" in header
+    assert one.split()[-2] == "47/30" and eight.split()[-2] == "-"

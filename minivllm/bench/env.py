@@ -8,7 +8,9 @@ Built in notebook 05_benchmark. A result is only worth what is written next to i
 model shape and git commit;
 ``Monitor`` samples, while a run lasts, the engine's peak memory and the CPU that *other*
 processes used. On a 2-core machine a neighbour compiling something halves the numbers,
-so every record carries ``load.busy`` and the table flags it.
+so every record carries ``load.busy`` and the table flags it. It also takes the machine's
+memory read rate just before and just after the run (``memory_read_gbs``): a VM's memory
+can be half as fast one minute as the next, with nothing else running inside it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,28 @@ import psutil
 from minivllm.config import NATIVE_BF16_FLAGS, cpu_flags, isa_caps, parse_cpuinfo, read_cpuinfo
 
 BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
+MEMORY_PROBE_BYTES = 256 * 2**20  # far beyond any CPU's caches: the read comes from memory
+
+
+def memory_read_gbs(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 3) -> float:
+    """How fast this machine reads memory right now, in GB/s: the best of ``repeats`` sums
+    over a float32 buffer of ``nbytes``, on torch's threads.
+
+    Not a constant on a VM. On the 2-core AMD EPYC of issue 30 it reads ~47 GB/s for a
+    while, then ~30 for seconds to minutes, with nothing else running inside the VM (its
+    neighbours share the host's memory). A one-row decode step streams every weight once,
+    so its time follows that state, whichever engine runs it; with the rate before and after
+    each level in its record, two engines' levels can be compared knowing the state each
+    one ran in."""
+    import torch
+
+    buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)  # written: resident
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / max(best, 1e-9) / 1e9
 
 
 def _cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -59,12 +83,17 @@ class Monitor:
     process tree (``root_pid`` and its descendants), as a percentage of all cores. Engines
     of the same benchmark that wait their turn (``idle_pids``, ``--interleave``) are not
     excluded: if they use the CPU while another engine runs, that is the others' load.
+    Before the run starts and after it ends (outside its time and its memory samples), it
+    takes ``memory_read_gbs`` of ``memory_probe_bytes`` (0: not at all).
     """
 
     def __init__(self, memory_pid: int | None, root_pid: int | None = None,
                  memory_kind: str | None = "rss", interval: float = 0.1,
-                 idle_pids: tuple[int, ...] = ()) -> None:
+                 idle_pids: tuple[int, ...] = (),
+                 memory_probe_bytes: int = MEMORY_PROBE_BYTES) -> None:
         self.memory_pid, self.memory_kind, self.interval = memory_pid, memory_kind, interval
+        self.memory_probe_bytes = memory_probe_bytes
+        self.memory_read_gbs: list[float] = []  # [before, after] the run
         self.root_pid = root_pid or os.getpid()
         self.idle_pids = idle_pids  # engines of ours that wait meanwhile: their CPU is others'
         self.peak_memory_bytes: int | None = None
@@ -104,7 +133,12 @@ class Monitor:
         while not self._stop.wait(self.interval):
             self._sample()
 
+    def _probe_memory(self) -> None:
+        if self.memory_probe_bytes:
+            self.memory_read_gbs.append(memory_read_gbs(self.memory_probe_bytes))
+
     def __enter__(self) -> Monitor:  # noqa: PYI034 (typing.Self needs 3.11)
+        self._probe_memory()
         self.loadavg_start = os.getloadavg()
         self._t0, self._sys0 = time.monotonic(), psutil.cpu_times()
         self._ours0 = self._our_cpu_seconds()
@@ -126,13 +160,15 @@ class Monitor:
         cores = psutil.cpu_count() or 1
         self.other_cpu_percent = max(0.0, 100.0 * others / (wall * cores)) if wall > 0 else 0.0
         self.loadavg_end = os.getloadavg()
+        self._probe_memory()
 
     def load(self) -> dict:
         """What the record stores about the machine's load during the run."""
         return {"loadavg_start": [round(x, 2) for x in self.loadavg_start],
                 "loadavg_end": [round(x, 2) for x in self.loadavg_end],
                 "other_cpu_percent": round(self.other_cpu_percent, 1),
-                "busy": self.other_cpu_percent > BUSY_CPU_PERCENT}
+                "busy": self.other_cpu_percent > BUSY_CPU_PERCENT,
+                "memory_read_gbs": [round(x, 1) for x in self.memory_read_gbs]}
 
 
 def model_summary(path: str | Path) -> dict:

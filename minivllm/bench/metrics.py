@@ -183,6 +183,7 @@ TABLE_COLUMNS = [
     ("TPOT p50", "median_tpot_ms", "{:.1f}"), ("ITL p99", "p99_itl_ms", "{:.1f}"),
     ("E2EL p50", "median_e2el_ms", "{:.0f}"), ("E2EL p99", "p99_e2el_ms", "{:.0f}"),
     ("peak MiB", "peak_memory_mib", "{:.0f}"), ("other CPU%", "other_cpu_percent", "{:.0f}"),
+    ("mem GB/s", "memory_read_gbs", "{:.0f}"),  # the machine's memory read rate, before/after
 ]
 
 
@@ -192,6 +193,9 @@ def _cell(record: dict, key: str, fmt: str) -> str:
         value = record["peak_memory_bytes"] / 2**20
     elif key == "other_cpu_percent":
         value = record.get("load", {}).get(key)
+    elif key == "memory_read_gbs":  # [before, after]: "47/30"
+        rates = record.get("load", {}).get(key) or []
+        return "/".join(fmt.format(x) for x in rates) or "-"
     elif key == "dtype":  # the dtype the engine ran, as its environment recorded it
         value = record.get("env", {}).get("dtype")
     return "-" if value is None else fmt.format(value)
