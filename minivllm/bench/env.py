@@ -38,9 +38,9 @@ def memory_read_gbs(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 3) -> float
     """How fast this machine reads memory right now, in GB/s: the best of ``repeats`` sums
     over a float32 buffer of ``nbytes``, on torch's threads.
 
-    Not a constant on a VM. On the 2-core AMD EPYC of issue 30 it reads ~47 GB/s for a
-    while, then ~30 for seconds to minutes, with nothing else running inside the VM (its
-    neighbours share the host's memory). A one-row decode step streams every weight once,
+    Not a constant on a VM. On the 2-core AMD EPYC of issue 30 it reads ~50–60 GB/s for a
+    while, then ~30–35 (at times ~17) for seconds to minutes, with nothing else running
+    inside the VM (its neighbours share the host's memory). A one-row decode step streams every weight once,
     so its time follows that state, whichever engine runs it; with the rate before and after
     each level in its record, two engines' levels can be compared knowing the state each
     one ran in."""
