@@ -40,10 +40,10 @@ def memory_read_gbs(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 3) -> float
 
     Not a constant on a VM. On the 2-core AMD EPYC of issue 30 it reads ~50–60 GB/s for a
     while, then ~30–35 (at times ~17) for seconds to minutes, with nothing else running
-    inside the VM (its neighbours share the host's memory). A one-row decode step streams every weight once,
-    so its time follows that state, whichever engine runs it; with the rate before and after
-    each level in its record, two engines' levels can be compared knowing the state each
-    one ran in."""
+    inside the VM (its neighbours share the host's memory). A one-row decode step streams
+    every weight once, so its time follows that state, whichever engine runs it; with the
+    rate before and after each level in its record, two engines' levels can be compared
+    knowing the state each one ran in."""
     import torch
 
     buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)  # written: resident
