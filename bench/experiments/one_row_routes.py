@@ -19,6 +19,10 @@ process (run it alone; on 2 cores anything else running changes the answer):
 * ``fusion``: the lm_head's weight at one row through inductor's loop, its input the final
   RMSNorm computed in the same graph (inductor inlines the norm into the loop) against an
   input computed beforehand, and the packed oneDNN linear: why ``loop_matvec`` materialises.
+* ``wide``: the compiled decode step as shipped against an engine that keeps the plain
+  weights (for the one-row loop) only of the wide linears, out features > 4 x in (gate/up
+  and the tied lm_head), the others going through oneDNN's packed kernel at one row too;
+  two engines, alternated step by step, at 1 and 8 rows (issue 30, fourteenth part).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -142,6 +146,29 @@ def part_shipped(model_path: str, pairs: int) -> None:
                                "as shipped": shipped.runner.decoder}, pairs, rows)
 
 
+def part_wide(model_path: str, pairs: int) -> None:
+    from minivllm import LLM
+    from minivllm.compile import PackedLinear
+
+    shipped = LLM(model_path, compile_in_background=False).engine
+    packed_init = PackedLinear.__init__
+
+    def wide_only(self, linear, keep_plain_weight=False):
+        packed_init(self, linear, keep_plain_weight
+                    and linear.out_features > 4 * linear.in_features)
+    PackedLinear.__init__ = wide_only
+    try:
+        wide = LLM(model_path, compile_in_background=False).engine
+    finally:
+        PackedLinear.__init__ = packed_init
+    print(f"plain weights in huge pages: as shipped {shipped.runner.huge_page_bytes / 2**30:.2f}"
+          f" GiB, wide only {wide.runner.huge_page_bytes / 2**30:.2f} GiB")
+    for rows in (1, 8):
+        compare_one_row_steps({"as shipped": shipped.runner.decoder,
+                               "plain weights of the wide linears only": wide.runner.decoder},
+                              pairs, rows)
+
+
 def part_engine(model_path: str, pairs: int) -> None:
     from minivllm import LLM, SamplingParams
 
@@ -234,6 +261,8 @@ def main() -> None:
             part_linears(args.rounds)
         elif part == "shipped":
             part_shipped(args.model, args.pairs)
+        elif part == "wide":
+            part_wide(args.model, args.pairs)
         elif part == "engine":
             part_engine(args.model, max(2, args.pairs // 4))
         elif part == "fusion":
