@@ -501,6 +501,28 @@ def release_freed_memory() -> None:
         pass
 
 
+def guards_on_inputs(entries: list) -> list[bool]:
+    """``torch.compile``'s ``guard_filter_fn``: keep dynamo's guards on the function's inputs
+    (tensors' dtype, device, shape and strides; which sizes are symbolic; ints) and on the
+    global state (grad and inference mode, default device), drop the ones on ``nn.Module``s,
+    their parameters and on globals. Safe only where the model and the functions it calls
+    never change after the warm-up and each compile keeps its graphs to itself
+    (``compile_guarding_inputs``)."""
+    return [not (entry.is_global or entry.orig_guard.source.is_unspecialized_nn_module())
+            for entry in entries]
+
+
+def compile_guarding_inputs(fn: Callable, dynamic: bool = True, mode: str | None = None) -> Callable:
+    """``torch.compile(fn, dynamic=..., mode=...)`` that checks only the inputs' guards
+    (``guards_on_inputs``) before each call, its graphs kept apart from any other compile of
+    ``fn`` in this process (``isolate_recompiles``: another engine, another model)."""
+    from torch._inductor import list_mode_options  # imported on first use, as torch.compile does
+
+    # torch.compile takes a mode or options, not both: the options the mode stands for, and ours
+    options = {**list_mode_options(mode or "default", dynamic), "guard_filter_fn": guards_on_inputs}
+    return torch.compile(fn, dynamic=dynamic, options=options, isolate_recompiles=True)
+
+
 def before_attention(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decoder layer up to its attention call: x (T, hidden) -> q (T, Hq, D), k, v (T, Hkv, D)."""
@@ -554,8 +576,8 @@ class CompiledFlatStep:
     def __init__(self, model: nn.Module, attention: Callable[[AttentionMetadata], AttentionFn]):
         self.model = model
         self.attention = attention  # a step's metadata -> its attention function (notebook 06)
-        self._before = torch.compile(before_attention, dynamic=True)
-        self._after = torch.compile(after_attention, dynamic=True)
+        self._before = compile_guarding_inputs(before_attention)
+        self._after = compile_guarding_inputs(after_attention)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
                rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -617,10 +639,10 @@ class CompiledDecoder:
         if self.on_cuda:
             # The graph writes k/v into the pool, an input. CUDA graph trees replay only graphs
             # whose mutated inputs keep their address (parameters, buffers); any other mutated
-            # input makes them skip the CUDA graph. The pool never moves, so say so (no guard:
-            # another engine's pool re-records the graphs instead of recompiling them).
+            # input makes them skip the CUDA graph. The pool never moves, so say so (guard=False:
+            # no guard on the pool's identity; each engine compiles graphs of its own anyway).
             torch._dynamo.mark_static_address(kv, guard=False)
-        self._logits = torch.compile(decode_logits, dynamic=True, mode=mode)
+        self._logits = compile_guarding_inputs(decode_logits, mode=mode)
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
 

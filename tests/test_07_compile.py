@@ -920,3 +920,75 @@ def test_the_opaque_kv_write_computes_the_same_step_in_place_compiled(tiny_model
     torch.testing.assert_close(pool.kv, want_kv, rtol=1e-4, atol=1e-4)
     assert not torch.equal(pool.kv, saved), "the step wrote nothing into the pool"
     assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
+
+
+def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itself(tiny_model):
+    """Guards: a model's guards dropped while compiles share graphs, so that a second model
+    with one layer more, over a pool of the same shape, runs the first one's graph (a wrong
+    answer: that graph stops a layer early);
+    the inputs' guards dropped too, so that a one-row batch runs the many-row graph or a new
+    shape runs a graph traced for another; the filter keeping the module guards (no saving)."""
+    from minivllm.attention import BatchedAttention
+    from minivllm.compile import (
+        CompiledDecoder,
+        CompiledFlatStep,
+        DecodeInputs,
+        decode_logits,
+    )
+    from minivllm.kv_cache import KVCachePool
+    from minivllm.model import load_model
+
+    kept: list[tuple[str, str]] = []
+    dropped: list[str] = []
+
+    def recording(entries):
+        from minivllm.compile import guards_on_inputs
+
+        flags = guards_on_inputs(entries)
+        for entry, keep in zip(entries, flags):
+            (kept.append((entry.name, entry.guard_type)) if keep else dropped.append(entry.name))
+        return flags
+
+    whole = load_model(tiny_model, dtype=torch.float32)
+    deeper = load_model(tiny_model, dtype=torch.float32)  # another model: one layer more
+    extra = copy.deepcopy(deeper.model.layers[-1])
+    extra.self_attn.layer_idx = len(deeper.model.layers)
+    deeper.model.layers.append(extra)
+    block_size, scratch = 16, 8
+    mc = whole.config
+    with torch.inference_mode():
+        for model in (whole, deeper):  # pools of one shape: no input tells the models apart
+            pool = KVCachePool(len(deeper.model.layers), scratch + 1, block_size,
+                               mc.num_key_value_heads, mc.head_dim, torch.float32, "cpu")
+            pool.kv.normal_()
+            saved = pool.kv.clone()
+            decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"))
+            flat = CompiledFlatStep(model, lambda md, pool=pool: BatchedAttention(pool, md))
+            for rows in (1, 3, 2):  # the one-row graph, then the dynamic one
+                batch = DecodeInputs(list(range(7, 7 + rows)), [30 + r for r in range(rows)],
+                                     [[r, 4 + r] for r in range(rows)])
+                pool.kv.copy_(saved)
+                got = decoder.logits(batch)
+                pool.kv.copy_(saved)
+                tables = torch.tensor([t + [scratch] for t in batch.block_tables])  # as padded
+                want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
+                                     torch.tensor(batch.seq_lens), tables, block_size)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            ids, positions, md = _mixed_step(model, pool, block_size, scratch)
+            pool.kv.copy_(saved)
+            got = flat.hidden(ids, positions, BatchedAttention(pool, md))
+            pool.kv.copy_(saved)
+            torch.testing.assert_close(got, model(ids, positions, BatchedAttention(pool, md)),
+                                       rtol=1e-4, atol=1e-4)
+        # what the filter keeps: the inputs' guards (the one-row graph's is a size of 1 on
+        # input_ids) and the global state, never a module's or a global's
+        counting = torch.compile(decode_logits, dynamic=True, isolate_recompiles=True,
+                                 options={"guard_filter_fn": recording})
+        counting(whole, pool.kv.new_zeros(2, len(whole.model.layers), 16 * 9,
+                                           mc.num_key_value_heads, mc.head_dim),
+                 torch.tensor([7]), torch.tensor([5]), torch.tensor([[0, 8]]), block_size)
+    names = {name for name, _ in kept}
+    assert {"kv", "input_ids", "seq_lens", "block_tables"} <= names
+    assert ("", "GRAD_MODE") in kept or any(kind == "GLOBAL_STATE" for _, kind in kept)
+    assert not any(name.startswith(("model", "G[")) for name in names), names
+    assert len(dropped) > 10 * len(kept)  # most of a model's guards are on its modules
