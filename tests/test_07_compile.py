@@ -921,7 +921,8 @@ def test_the_opaque_kv_write_computes_the_same_step_in_place_compiled(tiny_model
     assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
 
 
-def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itself(tiny_model):
+def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itself(tiny_model,
+                                                                                   monkeypatch):
     """Guards: a model's guards dropped while compiles share graphs, so that a second model
     with one layer more, over a pool of the same shape, runs the first one's graph (a wrong
     answer: that graph stops a layer early); the inputs' guards dropped too, so that a 3-row
@@ -931,6 +932,7 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
         CompiledDecoder,
         CompiledFlatStep,
         DecodeInputs,
+        compile_guarding_inputs,
         decode_logits,
         guards_on_inputs,
     )
@@ -967,9 +969,9 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
                 pool.kv.copy_(saved)
                 got = decoder.logits(batch)
                 pool.kv.copy_(saved)
-                tables = torch.tensor([t + [scratch] for t in batch.block_tables])  # as padded
                 want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
-                                     torch.tensor(batch.seq_lens), tables, block_size)
+                                     torch.tensor(batch.seq_lens),
+                                     torch.tensor(batch.block_tables), block_size)
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             ids, positions, md = _mixed_step(model, pool, block_size, scratch)
             pool.kv.copy_(saved)
@@ -977,13 +979,13 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
             pool.kv.copy_(saved)
             torch.testing.assert_close(got, model(ids, positions, BatchedAttention(pool, md)),
                                        rtol=1e-4, atol=1e-4)
-        # what the filter keeps: the inputs' guards (the one-row graph's is a size of 1 on
-        # input_ids) and the global state, never a module's or a global's
-        counting = torch.compile(decode_logits, dynamic=True, isolate_recompiles=True,
-                                 options={"guard_filter_fn": recording})
-        counting(whole, pool.kv.new_zeros(2, len(whole.model.layers), 16 * 9,
-                                           mc.num_key_value_heads, mc.head_dim),
-                 torch.tensor([7]), torch.tensor([5]), torch.tensor([[0, 8]]), block_size)
+        # what compile_guarding_inputs keeps: the inputs' guards (the one-row graph's is a size
+        # of 1 on input_ids) and the global state, never a module's or a global's
+        monkeypatch.setattr("minivllm.compile.guards_on_inputs", recording)
+        kv = pool.kv.new_zeros(2, len(whole.model.layers), 16 * 9, mc.num_key_value_heads,
+                               mc.head_dim)
+        compile_guarding_inputs(decode_logits)(whole, kv, torch.tensor([7]), torch.tensor([5]),
+                                               torch.tensor([[0, 8]]), block_size)
     names = {name for name, _ in kept}
     assert {"kv", "input_ids", "seq_lens", "block_tables"} <= names
     assert any(kind in ("GLOBAL_STATE", "GRAD_MODE") for _, kind in kept)

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from matvec_ab import alternate  # bench/experiments/ is on the path of a script run from it
 
 from minivllm import LLM
 from minivllm.compile import after_attention, before_attention, decode_logits, flat_hidden
@@ -35,18 +36,6 @@ def counting(counts: dict, name: str):
         counts.setdefault(name, []).append(len(entries))
         return [True] * len(entries)
     return keep_all
-
-
-def paired(arms: dict, call, pairs: int) -> dict[str, list[float]]:
-    """Seconds of ``call(arm)`` per arm, the arms alternated (A B, B A, ...)."""
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    names = list(arms)
-    for i in range(pairs):
-        for name in (names if i % 2 else names[::-1]):
-            start = time.perf_counter()
-            call(arms[name])
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def report(shape: str, times: dict[str, list[float]]) -> None:
@@ -110,13 +99,13 @@ def main() -> None:
                     print(f"cpp_wrapper: first call (compile) {time.perf_counter() - start:.1f} s")
                 want = got if want is None else want
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
-            report(f"decode, {rows} row(s)", paired(
+            report(f"decode, {rows} row(s)", alternate(
                 decode_arms, lambda step, rows=rows: step(model, kv, *decode_inputs(rows), block_size),
                 args.pairs))
         if args.prefill:
             torch.testing.assert_close(prefill(flat_arms[SHIPPED]), prefill(flat_arms["every guard"]),
                                        rtol=0, atol=0)
-            report(f"prefill, {args.prefill} tokens", paired(flat_arms, prefill, args.prefill_pairs))
+            report(f"prefill, {args.prefill} tokens", alternate(flat_arms, prefill, args.prefill_pairs))
     for name, per_graph in counts.items():
         print(f"guards of {name}, every guard, per graph: {per_graph}")
 
