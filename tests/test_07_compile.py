@@ -991,3 +991,48 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
     assert any(kind in ("GLOBAL_STATE", "GRAD_MODE") for _, kind in kept)
     assert not any(name.startswith(("model", "G[")) for name in names), names
     assert len(dropped) > 10 * len(kept)  # most of a model's guards are on its modules
+
+
+def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_step(tiny_model,
+                                                                                  monkeypatch):
+    """``cpp_wrapper``: the one-row and the many-row decode graphs load a C++ wrapper (inductor's
+    ``CppWrapperCodeCache``; a Python wrapper loads only its kernels, through the base class)
+    and give the eager model's logits; ``cpp_wrapper=False`` loads none."""
+    from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
+
+    from minivllm.compile import CompiledDecoder, DecodeInputs, decode_logits
+    from minivllm.kv_cache import KVCachePool
+    from minivllm.model import load_model
+
+    loaded: list[str] = []
+    load = CppWrapperCodeCache.load_pybinding.__func__
+
+    def recording(cls, *args, **kwargs):
+        loaded.append(cls.__name__)
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
+    model = load_model(tiny_model, dtype=torch.float32)
+    mc, block_size, scratch = model.config, 16, 8
+    pool = KVCachePool(mc.num_hidden_layers, scratch + 1, block_size, mc.num_key_value_heads,
+                       mc.head_dim, torch.float32, "cpu")
+    pool.kv.normal_()
+    saved = pool.kv.clone()
+    with torch.inference_mode():
+        for cpp_wrapper in (True, False):
+            PyCodeCache.cache_clear()  # a graph compiled before in this process loads again
+            loaded.clear()
+            decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"),
+                                      cpp_wrapper=cpp_wrapper)
+            assert decoder.cpp_wrapper is cpp_wrapper
+            for rows in (1, 3):  # the one-row graph, then the dynamic one
+                batch = DecodeInputs(list(range(5, 5 + rows)), [20 + r for r in range(rows)],
+                                     [[r, 4 + r] for r in range(rows)])
+                pool.kv.copy_(saved)
+                got = decoder.logits(batch)
+                pool.kv.copy_(saved)
+                want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
+                                     torch.tensor(batch.seq_lens),
+                                     torch.tensor(batch.block_tables), block_size)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert len(loaded) == (2 if cpp_wrapper else 0), loaded  # one per graph

@@ -1,6 +1,7 @@
 """The compiled steps as shipped, dynamo checking only the inputs' guards before each call
 (``compile_guarding_inputs``), against the same functions compiled with every guard, and
-(``--cpp-wrapper``) against inductor's C++ wrapper in place of its Python one; the arms
+(``--cpp-wrapper``) against inductor's C++ wrapper in place of its Python one (decode and
+flat step); the arms
 alternated call by call in one process, on one engine's model and pool:
 
     python bench/experiments/guards_ab.py --model checkpoints/qwen2.5-0.5b-random \\
@@ -9,8 +10,8 @@ alternated call by call in one process, on one engine's model and pool:
 Prints the guards each compile keeps and drops, then per shape the median time of each arm
 and the median of the paired differences. The decode arms run ``decode_logits`` on rows at
 context 160; the prefill arm runs one fresh prompt through the flat step (both halves of
-every layer). A first call of each arm compiles it (the C++ wrapper takes minutes; its
-compile time is printed). Compare only arms of one shape. Cited in docs/decisions.md (issue
+every layer). A first call of each arm compiles it (the C++ wrapper's compile time is printed:
+minutes on an empty inductor cache, seconds from a warm one). Compare only arms of one shape. Cited in docs/decisions.md (issue
 30, fifteenth part).
 """
 
@@ -73,8 +74,10 @@ def main() -> None:
     if args.cpp_wrapper:
         from minivllm.compile import guards_on_inputs
 
-        decode_arms["cpp_wrapper"] = torch.compile(decode_logits, **every, options={
-            "guard_filter_fn": guards_on_inputs, "cpp_wrapper": True})
+        cpp = {"guard_filter_fn": guards_on_inputs, "cpp_wrapper": True}
+        decode_arms["cpp_wrapper"] = torch.compile(decode_logits, **every, options=cpp)
+        flat_arms["cpp_wrapper"] = tuple(torch.compile(fn, **every, options=cpp)
+                                         for fn in (before_attention, after_attention))
 
     def decode_inputs(rows: int):
         return (torch.arange(1000, 1000 + rows), torch.full((rows,), 160),
@@ -95,16 +98,22 @@ def main() -> None:
             for name, step in decode_arms.items():  # compile, and check: the same logits
                 start = time.perf_counter()
                 got = step(model, kv, *decode_inputs(rows), block_size)
-                if name == "cpp_wrapper" and rows == 1:
-                    print(f"cpp_wrapper: first call (compile) {time.perf_counter() - start:.1f} s")
+                if name == "cpp_wrapper":
+                    print(f"cpp_wrapper, {rows} row(s): first call (compiles where no graph "
+                          f"covers it yet) {time.perf_counter() - start:.1f} s", flush=True)
                 want = got if want is None else want
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
             report(f"decode, {rows} row(s)", alternate(
                 decode_arms, lambda step, rows=rows: step(model, kv, *decode_inputs(rows), block_size),
                 args.pairs))
         if args.prefill:
-            torch.testing.assert_close(prefill(flat_arms[SHIPPED]), prefill(flat_arms["every guard"]),
-                                       rtol=0, atol=0)
+            want = prefill(flat_arms[SHIPPED])
+            for name, halves in flat_arms.items():  # compile, and check: the same hidden states
+                start = time.perf_counter()
+                torch.testing.assert_close(prefill(halves), want, rtol=0, atol=0)
+                if name == "cpp_wrapper":
+                    print(f"cpp_wrapper, the flat step: first call (compile) "
+                          f"{time.perf_counter() - start:.1f} s", flush=True)
             report(f"prefill, {args.prefill} tokens", alternate(flat_arms, prefill, args.prefill_pairs))
     for name, per_graph in counts.items():
         print(f"guards of {name}, every guard, per graph: {per_graph}")

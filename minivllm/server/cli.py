@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=engine.compile_flat_steps,
                    help="with --compile: prefill and mixed steps run each layer compiled "
                         "around its attention call (notebook 07)")
+    p.add_argument("--compile-cpp-wrapper", action=argparse.BooleanOptionalAction,
+                   default=engine.compile_cpp_wrapper,
+                   help="with --compile on a CPU: the decode step's graphs call their kernels "
+                        "from inductor's C++ wrapper, not from Python (~1 ms a step here; the "
+                        "first compile on an empty inductor cache takes minutes longer; "
+                        "notebook 07)")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
                    help="a compiled CPU decode of one bf16 row runs its linears as a "
@@ -127,6 +133,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "attention_backend": args.attention_backend, "compile": args.compile,
         "compile_in_background": args.compile_in_background, "seed": args.seed,
         "compile_flat_steps": args.compile_flat_steps,
+        "compile_cpp_wrapper": args.compile_cpp_wrapper,
         "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
         "merge_projections": args.merge_projections,
         "pack_linear_weights": args.pack_linear_weights,
