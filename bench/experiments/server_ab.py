@@ -6,8 +6,8 @@
 Why this exists: on a shared 2-core machine the speed of the same server drifts by 10-35 %
 from one minute to the next, and ``python -m minivllm.bench`` measures one engine after the
 other, minutes apart. A change worth 10-20 % cannot be told from that drift. This tool
-starts both servers first (an idle server sleeps in its event loop and costs nothing), then
-runs rounds of ``--concurrency`` streamed greedy requests (``ignore_eos``, the harness's
+starts both servers first (an idle server sleeps in its event loop and costs nothing), waits
+until each has swapped its compiled step in (``/stats``), then runs rounds of ``--concurrency`` streamed greedy requests (``ignore_eos``, the harness's
 client and payload) against A and B in turn, A B B A A B ..., so that each pair of rounds
 meets the same machine. It prints each side's median output tokens/s and ITL p50, and the
 median (and range) of the per-pair throughput ratios B / A.
@@ -21,6 +21,7 @@ import shlex
 import statistics
 
 from minivllm.bench.clients import run_openai_client, served_model_name
+from minivllm.bench.engines import _wait_for_compiled_step
 from minivllm.bench.metrics import BenchRequest
 from minivllm.bench.servers import free_port, minivllm_server_command, running_server
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
             running_server(commands["B"], f"http://127.0.0.1:{ports['B']}", "server-B"):
         urls = {side: f"http://127.0.0.1:{port}/v1" for side, port in ports.items()}
         names = {side: served_model_name(url, args.model) for side, url in urls.items()}
+        for side, port in ports.items():  # both measured on the step they settle on
+            waited = _wait_for_compiled_step(f"http://127.0.0.1:{port}/stats")
+            print(f"{side}: compiled step in place after {waited:.0f} s more", flush=True)
         for side in ("A", "B"):  # one unmeasured round each: first-request costs
             measure(urls[side], names[side], requests, args.concurrency)
         for i in range(args.rounds):
