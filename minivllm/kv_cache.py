@@ -38,8 +38,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
     ``torch.zeros`` writes every byte up front, so a 2 GiB pool would be 2 GiB of resident
     memory before the first request. An anonymous memory map reads as zeros and the kernel
-    backs a page only on its first write: resident memory follows the blocks in use (the
-    allocator hands out low block ids first). GPU memory is reserved whole either way.
+    backs a page only on its first write: resident memory follows the blocks ever written.
+    With prefix caching a freed block keeps its cached prefix and a never-used block is
+    handed out before it (``BlockManager``), so a long run of distinct prompts makes the
+    whole budget resident in the end, as a pool written up front is from the start. GPU
+    memory is reserved whole either way.
     """
     numel = math.prod(shape)
     if device.type != "cpu" or numel == 0:
