@@ -1,8 +1,7 @@
 """The compiled steps as shipped, dynamo checking only the inputs' guards before each call
 (``compile_guarding_inputs``), against the same functions compiled with every guard, and
 (``--cpp-wrapper``) against inductor's C++ wrapper in place of its Python one (decode and
-flat step); the arms
-alternated call by call in one process, on one engine's model and pool:
+flat step); the arms alternated call by call in one process, on one engine's model and pool:
 
     python bench/experiments/guards_ab.py --model checkpoints/qwen2.5-0.5b-random \\
         --rows 1,8,32 --pairs 30 --prefill 128 --prefill-pairs 30 [--cpp-wrapper]
@@ -10,9 +9,9 @@ alternated call by call in one process, on one engine's model and pool:
 Prints the guards each compile keeps and drops, then per shape the median time of each arm
 and the median of the paired differences. The decode arms run ``decode_logits`` on rows at
 context 160; the prefill arm runs one fresh prompt through the flat step (both halves of
-every layer). A first call of each arm compiles it (the C++ wrapper's compile time is printed:
-minutes on an empty inductor cache, seconds from a warm one). Compare only arms of one shape. Cited in docs/decisions.md (issue
-30, fifteenth part).
+every layer). A first call of each arm compiles it (the C++ wrapper's compile time is
+printed: minutes on an empty inductor cache, seconds from a warm one). Compare only arms of
+one shape. Cited in docs/decisions.md (issue 30, fifteenth and sixteenth parts).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Why this exists: on a shared 2-core machine the speed of the same server drifts 
 from one minute to the next, and ``python -m minivllm.bench`` measures one engine after the
 other, minutes apart. A change worth 10-20 % cannot be told from that drift. This tool
 starts both servers first (an idle server sleeps in its event loop and costs nothing), waits
-until each has swapped its compiled step in (``/stats``), then runs rounds of ``--concurrency`` streamed greedy requests (``ignore_eos``, the harness's
-client and payload) against A and B in turn, A B B A A B ..., so that each pair of rounds
+until each has swapped its compiled step in (``/stats``), then runs rounds of
+``--concurrency`` streamed greedy requests (``ignore_eos``, the harness's client and payload)
+against A and B in turn, A B B A A B ..., so that each pair of rounds
 meets the same machine. It prints each side's median output tokens/s and ITL p50, and the
 median (and range) of the per-pair throughput ratios B / A.
 """
