@@ -391,8 +391,8 @@ def _packed_linear_shape(x, handle, out_features, bias):
 
 
 class PackedLinear(nn.Module):
-    """A bf16 CPU ``nn.Linear`` whose weight was reordered once into oneDNN's blocked layout
-    (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the lm_head's,
+    """A bf16 or float32 CPU ``nn.Linear`` whose weight was reordered once into oneDNN's
+    blocked layout (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the lm_head's,
     stays with the module it is shared with) unless ``keep_plain_weight``: then ``weight``
     keeps it, and a compiled one-row step reads it through inductor's loop
     (``loop_matvec``), which streams a bf16 weight faster than oneDNN on CPUs without AMX."""
@@ -402,6 +402,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, keep_plain_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.element_size = linear.weight.element_size()  # 2 in bf16, 4 in float32
         self.bias = linear.bias
         self.register_parameter("weight", linear.weight if keep_plain_weight else None)
         self.handle = next(_next_handle)
@@ -413,7 +414,7 @@ class PackedLinear(nn.Module):
 
     @property
     def packed_bytes(self) -> int:
-        return self.in_features * self.out_features * 2  # bf16: the same bytes, reordered
+        return self.in_features * self.out_features * self.element_size  # the same bytes, reordered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -432,15 +433,18 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linear_weights(model: nn.Module) -> bool:
-    """Whether ``pack_linear_weights`` applies: a bf16 model on a CPU whose oneDNN does bf16."""
+    """Whether ``pack_linear_weights`` applies: a float32 model on a CPU with oneDNN, or a bf16
+    one where oneDNN does bf16. (float32 too: on an AMD CPU ``F.linear`` in float32 is MKL's,
+    2-3.5x slower at decode sizes than oneDNN on the packed weight.)"""
     weight = next(model.parameters())
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False) -> int:
-    """Swap every ``nn.Linear`` of a bf16 CPU model (merged ones too) for a ``PackedLinear``,
+    """Swap every ``nn.Linear`` of a bf16 or float32 CPU model (merged ones too) for a ``PackedLinear``,
     in place, each keeping its plain weight too with ``keep_plain_weights`` (for the one-row
     loop: the linears' bytes once more, bar a tied lm_head's). Returns how many; 0 where
     ``can_pack_linear_weights`` says no."""
@@ -829,7 +833,8 @@ class CompiledRunner(ModelRunner):
         # Packing keeps the plain weights too where a compiled one-row step reads them through
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
-                                       and one_row_kernel == "inductor")
+                                       and one_row_kernel == "inductor"
+                                       and next(self.model.parameters()).dtype == torch.bfloat16)
         self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
