@@ -810,7 +810,7 @@ class CompiledRunner(ModelRunner):
     the weights and the pool are: it runs every step eagerly while a ``BackgroundWarmup``
     compiles, and ``decoder`` becomes the compiled step between two steps once it is built.
 
-    ``EngineConfig.pack_linear_weights`` packs a bf16 CPU model's linears for oneDNN
+    ``EngineConfig.pack_linear_weights`` packs a CPU model's linears for oneDNN
     (``pack_linear_weights``, ~2 s for the 0.5B model here): in that thread too when it
     compiles in the background, else before the first step. A packed linear computes what
     the plain one did, so eager steps meanwhile may run with some linears packed. Where the

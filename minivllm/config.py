@@ -315,7 +315,7 @@ class EngineConfig:
     single_row_matvec: bool = True  # M7: a compiled CPU step of one bf16 row: a matvec kernel
     matvec_kernel: str = "auto"  # M7: which one: "auto" (by the CPU), "mv" or "inductor"
     merge_projections: bool = True  # M7: q/k/v as one matmul, gate/up as one (as vLLM does)
-    pack_linear_weights: bool = True  # M7: bf16 CPU linears' weights in oneDNN's layout (as vLLM)
+    pack_linear_weights: bool = True  # M7: CPU linears' weights in oneDNN's layout (as vLLM)
     seed: int = 0  # default seed for sampling
     speculative_config: dict | str | None = None  # M8: {"method": "ngram", ...} or its JSON
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split across (M9)
