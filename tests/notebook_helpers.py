@@ -14,11 +14,25 @@ _mutant_ids = itertools.count()
 
 
 def load_module(path: Path, name: str) -> ModuleType:
-    """Import the Python file at ``path`` as module ``name`` (e.g. a learner's export)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    """Import the Python file at ``path`` as module ``name`` (e.g. a learner's export), its
+    custom ops under a namespace of its own (``_own_custom_ops``)."""
+    return _exec_module(name, path, path.read_text())
+
+
+def _own_custom_ops(source: str, name: str) -> str:
+    """``source`` with its ``torch.library.custom_op("minivllm::...")`` ops renamed into the
+    namespace ``name``: defining an op again replaces its kernel for the whole process, and
+    the package's engines built by later tests would then run this copy's code (a learner's
+    stub, a mutant, their own packed-weight table)."""
+    return source.replace('"minivllm::', f'"{name}::')
+
+
+def _exec_module(name: str, path: Path, source: str) -> ModuleType:
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__file__ = str(path)
     sys.modules[name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
+    exec(compile(_own_custom_ops(source, name), module.__file__, "exec"),  # noqa: S102
+         module.__dict__)
     return module
 
 
@@ -34,17 +48,14 @@ def export_learner(notebook: Path, out_dir: Path, names: list[str],
 def mutate(module: ModuleType, *edits: tuple[str, str]) -> ModuleType:
     """A planted wrong answer: ``module`` re-imported from its source with each (old, new)
     replacement applied. Each ``old`` must be in the source, so a refactor that removes a
-    mutation's target fails loudly instead of testing nothing."""
+    mutation's target fails loudly instead of testing nothing. Its custom ops live under a
+    namespace of its own (``_own_custom_ops``)."""
     source = Path(module.__file__).read_text()
     for old, new in edits:
         assert old in source, f"mutation target {old!r} is no longer in {module.__name__}"
         source = source.replace(old, new)
     name = f"mutant_{next(_mutant_ids)}_{module.__name__.rpartition('.')[2]}"
-    mutant = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    mutant.__file__ = str(Path(module.__file__).with_name(f"_{name}.py"))
-    sys.modules[name] = mutant
-    exec(compile(source, mutant.__file__, "exec"), mutant.__dict__)  # noqa: S102 (a mutant)
-    return mutant
+    return _exec_module(name, Path(module.__file__).with_name(f"_{name}.py"), source)
 
 
 def grader_tests(graders, reference: ModuleType, mutants: dict, absent: str = "passed"):
