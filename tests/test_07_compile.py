@@ -929,6 +929,24 @@ def test_the_opaque_kv_write_computes_the_same_step_in_place_compiled(tiny_model
     assert ReinplaceCounters.get_total_missed() == 0, dict(ReinplaceCounters._values)
 
 
+def _assert_decoder_matches_eager(decoder, model, pool, saved, row_counts, first_id: int,
+                                  first_len: int) -> None:
+    """``decoder.logits`` against the eager ``decode_logits`` for batches of each row count,
+    the pool put back to ``saved`` before each (both write the new token's keys and values)."""
+    from minivllm.compile import DecodeInputs, decode_logits
+
+    for rows in row_counts:
+        batch = DecodeInputs(list(range(first_id, first_id + rows)),
+                             [first_len + r for r in range(rows)], [[r, 4 + r] for r in range(rows)])
+        pool.kv.copy_(saved)
+        got = decoder.logits(batch)
+        pool.kv.copy_(saved)
+        want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
+                             torch.tensor(batch.seq_lens), torch.tensor(batch.block_tables),
+                             decoder.block_size)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itself(tiny_model,
                                                                                    monkeypatch):
     """Guards: a model's guards dropped while compiles share graphs, so that a second model
@@ -939,7 +957,6 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
     from minivllm.compile import (
         CompiledDecoder,
         CompiledFlatStep,
-        DecodeInputs,
         compile_guarding_inputs,
         decode_logits,
         guards_on_inputs,
@@ -971,16 +988,8 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
             saved = pool.kv.clone()
             decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"))
             flat = CompiledFlatStep(model, lambda md, pool=pool: BatchedAttention(pool, md))
-            for rows in (1, 3, 2):  # the one-row graph, then the dynamic one
-                batch = DecodeInputs(list(range(7, 7 + rows)), [30 + r for r in range(rows)],
-                                     [[r, 4 + r] for r in range(rows)])
-                pool.kv.copy_(saved)
-                got = decoder.logits(batch)
-                pool.kv.copy_(saved)
-                want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
-                                     torch.tensor(batch.seq_lens),
-                                     torch.tensor(batch.block_tables), block_size)
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            _assert_decoder_matches_eager(decoder, model, pool, saved, (1, 3, 2), first_id=7,
+                                          first_len=30)  # the one-row graph, then the dynamic one
             ids, positions, md = _mixed_step(model, pool, block_size, scratch)
             pool.kv.copy_(saved)
             got = flat.hidden(ids, positions, BatchedAttention(pool, md))
@@ -1008,7 +1017,7 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
     and give the eager model's logits; ``cpp_wrapper=False`` loads none."""
     from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
 
-    from minivllm.compile import CompiledDecoder, DecodeInputs, decode_logits
+    from minivllm.compile import CompiledDecoder
     from minivllm.kv_cache import KVCachePool
     from minivllm.model import load_model
 
@@ -1033,14 +1042,6 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
             decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"),
                                       cpp_wrapper=cpp_wrapper)
             assert decoder.cpp_wrapper is cpp_wrapper
-            for rows in (1, 3):  # the one-row graph, then the dynamic one
-                batch = DecodeInputs(list(range(5, 5 + rows)), [20 + r for r in range(rows)],
-                                     [[r, 4 + r] for r in range(rows)])
-                pool.kv.copy_(saved)
-                got = decoder.logits(batch)
-                pool.kv.copy_(saved)
-                want = decode_logits(model, pool.kv, torch.tensor(batch.input_ids),
-                                     torch.tensor(batch.seq_lens),
-                                     torch.tensor(batch.block_tables), block_size)
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            _assert_decoder_matches_eager(decoder, model, pool, saved, (1, 3), first_id=5,
+                                          first_len=20)  # the one-row graph, then the dynamic one
             assert len(loaded) == (2 if cpp_wrapper else 0), loaded  # one per graph
