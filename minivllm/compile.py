@@ -392,9 +392,9 @@ def _packed_linear_shape(x, handle, out_features, bias):
 
 class PackedLinear(nn.Module):
     """A bf16 or float32 CPU ``nn.Linear`` whose weight was reordered once into oneDNN's
-    blocked layout (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the lm_head's,
-    stays with the module it is shared with) unless ``keep_plain_weight``: then ``weight``
-    keeps it, and a compiled one-row step reads it through inductor's loop
+    blocked layout (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the
+    lm_head's, stays with the module it is shared with) unless ``keep_plain_weight``: then
+    ``weight`` keeps it, and a compiled one-row step reads it through inductor's loop
     (``loop_matvec``), which streams a bf16 weight faster than oneDNN on CPUs without AMX."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
@@ -444,10 +444,10 @@ def can_pack_linear_weights(model: nn.Module) -> bool:
 
 
 def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False) -> int:
-    """Swap every ``nn.Linear`` of a bf16 or float32 CPU model (merged ones too) for a ``PackedLinear``,
-    in place, each keeping its plain weight too with ``keep_plain_weights`` (for the one-row
-    loop: the linears' bytes once more, bar a tied lm_head's). Returns how many; 0 where
-    ``can_pack_linear_weights`` says no."""
+    """Swap every ``nn.Linear`` of a bf16 or float32 CPU model (merged ones too) for a
+    ``PackedLinear``, in place, each keeping its plain weight too with ``keep_plain_weights``
+    (for the one-row loop: the linears' bytes once more, bar a tied lm_head's). Returns how
+    many; 0 where ``can_pack_linear_weights`` says no."""
     if not can_pack_linear_weights(model):
         return 0
     swapped = 0

@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="q/k/v as one matmul and gate/up as one (notebook 07)")
     p.add_argument("--pack-linear-weights", action=argparse.BooleanOptionalAction,
                    default=engine.pack_linear_weights,
-                   help="a bf16 or float32 model on a CPU: each linear's weight reordered once into "
-                        "oneDNN's layout, as vLLM does (notebook 07)")
+                   help="a bf16 or float32 model on a CPU: each linear's weight reordered "
+                        "once into oneDNN's layout, as vLLM does (notebook 07)")
     p.add_argument("--seed", type=int, default=engine.seed)
     p.add_argument("--speculative-config", default=engine.speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
