@@ -23,6 +23,9 @@ process (run it alone; on 2 cores anything else running changes the answer):
   weights (for the one-row loop) only of the wide linears, out features > 4 x in (gate/up
   and the tied lm_head), the others going through oneDNN's packed kernel at one row too;
   two engines, alternated step by step, at 1 and 8 rows (issue 30, fourteenth part).
+* ``float32``: the same 97 linears in float32 (what an AVX2-only CPU serves in) at 1, 8 and
+  32 rows: packed oneDNN, oneDNN on the plain weight, ``F.linear``, plain weights in huge
+  pages, and at one row inductor's mv loop (issue 30, seventeenth part, the Zen 3).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -98,6 +101,59 @@ def part_linears(rounds: int) -> None:
         print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  "
               f"{gbytes / m * 1e3:5.1f} GB/s  {statistics.median(ratios):.3f}x inductor's mv "
               f"loop per round ({min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
+    """The 0.5B model's 97 linears in float32 (the dtype an AVX2-only CPU serves in), by
+    route, at 1, 8 and 32 rows: oneDNN on the packed weight (what the engine ships), oneDNN
+    on the plain weight (``_linear_pointwise`` takes a dense weight too: no second copy), the
+    same on plain weights moved into huge pages, ``F.linear`` (MKL's sgemm), and at one row
+    inductor's mv loop on the huge-page weights."""
+    from minivllm.compile import move_to_huge_pages
+
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for k, n in SHAPES]
+    weights.append(torch.randn(VOCAB, 896) * 0.02)  # the lm_head
+    gbytes = sum(w.numel() * 4 for w in weights) / 1e9
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    in_huge_pages = [w.clone() for w in weights]
+    if not move_to_huge_pages(in_huge_pages):
+        print("no transparent huge pages on this kernel: the 'huge pages' routes use 4 KiB ones")
+
+    mv_loop = torch.compile(lambda ws, x896, x4864: [
+        torch.mv(w, (x896 if w.shape[1] == 896 else x4864)[0]) for w in ws], dynamic=False)
+
+    def routes_at(x: dict[int, torch.Tensor]) -> dict:  # x: the (rows, in) input by in
+        by_packed = [(x[w.shape[1]], p) for w, p in zip(weights, packed)]
+        routes = {
+            "packed oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(
+                xi, p, None, "none", [], "") for xi, p in by_packed],
+            "oneDNN, plain": lambda: [torch.ops.mkldnn._linear_pointwise(
+                x[w.shape[1]], w, None, "none", [], "") for w in weights],
+            "oneDNN, plain, huge": lambda: [torch.ops.mkldnn._linear_pointwise(
+                x[w.shape[1]], w, None, "none", [], "") for w in in_huge_pages],
+            "F.linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
+            "F.linear, huge": lambda: [F.linear(x[w.shape[1]], w) for w in in_huge_pages],
+        }
+        if x[896].shape[0] == 1:
+            routes["mv loop, huge"] = lambda: mv_loop(in_huge_pages, x[896], x[4864])
+        return routes
+
+    for rows in rows_list:
+        routes = routes_at({k: torch.randn(rows, k) for k in (896, 4864)})
+        with torch.inference_mode():
+            ref = routes["F.linear"]()
+            for name, route in routes.items():
+                err = max(float((a - b).abs().max()) for a, b in zip(route(), ref))
+                assert err < 1e-3, f"{name}: {err}"
+            times = alternate(routes, lambda route: route(), rounds)
+        base = times["packed oneDNN"]
+        for name, seconds in times.items():
+            m = statistics.median(seconds) * 1e3
+            ratios = [t / b for t, b in zip(seconds, base)]
+            print(f"float32 linears, {rows} row(s), {gbytes:.2f} GB: {name:20s} {m:7.1f} ms  "
+                  f"{gbytes / m * 1e3:5.1f} GB/s  {statistics.median(ratios):.3f}x packed "
+                  f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def compare_one_row_steps(sides: dict, pairs: int, rows: int = 1) -> None:
@@ -259,6 +315,8 @@ def main() -> None:
     for part in args.parts.split(","):
         if part == "linears":
             part_linears(args.rounds)
+        elif part == "float32":
+            part_float32(args.rounds)
         elif part == "shipped":
             part_shipped(args.model, args.pairs)
         elif part == "wide":
