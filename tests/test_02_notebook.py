@@ -8,17 +8,15 @@ would let a learner export a broken kv_cache.py believing it correct.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from notebook_helpers import export_learner
 
 from minivllm import kv_cache as ref
-from minivllm.course import export_notebook
 from minivllm.course.checks_02 import (
     check_allocator,
     check_match_prefix,
@@ -36,15 +34,7 @@ FAILS = (AssertionError, NotImplementedError)
 def stub(tmp_path_factory):
     """The module a learner exports before solving anything: every exercise is a stub."""
     out = tmp_path_factory.mktemp("learner02")
-    export_notebook(LEARNER, out_dir=out, echo=lambda _: None)
-    spec = importlib.util.spec_from_file_location("learner_kv_cache", out / "kv_cache.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    return export_learner(LEARNER, out, ["kv_cache"], "nb02")["kv_cache"]
 
 
 def _with(cls, **methods):

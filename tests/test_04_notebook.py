@@ -4,14 +4,12 @@ fails on the stub and on a plausible wrong answer, and passes on the reference."
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from notebook_helpers import export_learner
 
 from minivllm.course import checks_04
 from minivllm.protocol import merge_outputs, sse_event
@@ -22,27 +20,20 @@ NOTEBOOK = REPO / "notebooks" / "04_openai_server.ipynb"
 
 
 @pytest.fixture(scope="module")
-def stub_protocol(tmp_path_factory):
-    """minivllm/protocol.py as the learner's stripped notebook exports it."""
-    out = tmp_path_factory.mktemp("learner")
-    subprocess.run([sys.executable, "-m", "minivllm.course", "export", "--notebook",
-                    str(NOTEBOOK), "--out", str(out)], check=True, capture_output=True)
-    spec = importlib.util.spec_from_file_location("learner_protocol", out / "protocol.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def learner(tmp_path_factory):
+    """minivllm/protocol.py and structured.py as the learner's stripped notebook exports them."""
+    return export_learner(NOTEBOOK, tmp_path_factory.mktemp("learner04"),
+                          ["protocol", "structured"], "nb04")
 
 
 @pytest.fixture(scope="module")
-def stub_structured(stub_protocol, tmp_path_factory):
-    """minivllm/structured.py as the learner's stripped notebook exports it."""
-    out = Path(stub_protocol.__file__).parent
-    spec = importlib.util.spec_from_file_location("learner_structured", out / "structured.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def stub_protocol(learner):
+    return learner["protocol"]
+
+
+@pytest.fixture(scope="module")
+def stub_structured(learner):
+    return learner["structured"]
 
 
 def test_stubs_raise_not_implemented(stub_protocol):

@@ -22,7 +22,7 @@ import shlex
 import statistics
 
 from minivllm.bench.clients import run_openai_client, served_model_name
-from minivllm.bench.engines import _wait_for_compiled_step
+from minivllm.bench.engines import wait_for_compiled_step
 from minivllm.bench.metrics import BenchRequest
 from minivllm.bench.servers import free_port, minivllm_server_command, running_server
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         urls = {side: f"http://127.0.0.1:{port}/v1" for side, port in ports.items()}
         names = {side: served_model_name(url, args.model) for side, url in urls.items()}
         for side, port in ports.items():  # both measured on the step they settle on
-            waited = _wait_for_compiled_step(f"http://127.0.0.1:{port}/stats")
+            waited = wait_for_compiled_step(f"http://127.0.0.1:{port}/stats")
             print(f"{side}: compiled step in place after {waited:.0f} s more", flush=True)
         for side in ("A", "B"):  # one unmeasured round each: first-request costs
             measure(urls[side], names[side], requests, args.concurrency)

@@ -219,10 +219,10 @@ def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, mem
     return Session(run, memory_pid, memory_kind, info)
 
 
-def _wait_for_compiled_step(stats_url: str, timeout_s: float = 1800.0) -> float:
+def wait_for_compiled_step(stats_url: str, timeout_s: float = 1800.0) -> float:
     """Seconds until a minivllm server's decode step is no longer ``"compiling"`` (notebook
     07 compiles in the background after /health answers): its throughput is measured on the
-    step it settles on."""
+    step it settles on. (bench/experiments/server_ab.py waits on its servers with it too.)"""
     import httpx
 
     start = time.monotonic()
@@ -433,7 +433,7 @@ def open_engine(name: str, opts: BenchOptions) -> Iterator[Session | None]:
                                     kind, {"device": device, "dtype": _resolved_dtype(opts, device),
                                            "command": cmd, "engine_options": opts.engine_options})
             session.info["ready_after_s"] = proc.ready_after_s
-            session.info["compiled_after_health_s"] = _wait_for_compiled_step(
+            session.info["compiled_after_health_s"] = wait_for_compiled_step(
                 f"http://127.0.0.1:{port}/stats")
             session.stats = lambda: _server_stats(f"http://127.0.0.1:{port}/stats")
             yield session
