@@ -226,13 +226,24 @@ def bf16_pairs_as_float32(lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (lanes << 16).view(torch.float32), (lanes & -65536).view(torch.float32)
 
 
+FLOAT32_LANES = 8  # float32 numbers in one AVX2 register: loop_matvec's partial sums a row
+PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a loop of its own for
+
+
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(1, K) row times the (N, K) weight -> (1, N), written for inductor to lower to its own
     loop over the weight's rows, on the row materialised first. A bf16 weight (K even) is
     read as int32 lanes, two numbers each (``bf16_pairs_as_float32``), and the products
-    summed in float32; any other weight is ``torch.mv``. Compiled only."""
+    summed in float32. A float32 weight (K a multiple of 8) is summed as 8 partial sums a
+    row, then their total: inductor's loop over the weight is the one it writes for
+    ``torch.mv``, yet it streamed the 0.5B model's float32 weights 1.2x faster so on a Zen 3
+    (measured, issue 30's seventeenth part). Any other weight is ``torch.mv``. Compiled only."""
     row = materialise(x)[0]  # (K,)
-    if weight.dtype != torch.bfloat16 or weight.shape[1] % 2 or sys.byteorder != "little":
+    n, k = weight.shape
+    if weight.dtype == torch.float32 and k % FLOAT32_LANES == 0:
+        products = weight.view(n, -1, FLOAT32_LANES) * row.view(-1, FLOAT32_LANES)  # (N, K/8, 8)
+        return products.sum(1).sum(-1).unsqueeze(0)  # (N, 8) partial sums -> (1, N)
+    if weight.dtype != torch.bfloat16 or k % 2 or sys.byteorder != "little":
         return torch.mv(weight, row).unsqueeze(0)
     w_even, w_odd = bf16_pairs_as_float32(weight.view(torch.int32))  # (N, K/2) each
     x_even, x_odd = bf16_pairs_as_float32(row.view(torch.int32))  # (K/2,) each
@@ -245,7 +256,10 @@ def choose_matvec_kernel(requested: str = "auto",
     the ``matvec`` custom op) or ``"inductor"`` (torch.mv left to inductor, which writes its
     own loop for it). Measured on the 0.5B model's lm_head: an AMX Xeon reads the weight at
     ~20 GiB/s through torch.mv and ~11 through inductor's loop; a Zen 5 (avx512_bf16, no
-    AMX) at ~12 through torch.mv and ~30 through inductor's loop. So AMX decides."""
+    AMX) at ~12 through torch.mv and ~30 through inductor's loop. So AMX decides. A packed
+    float32 model follows the same choice (``CompiledRunner.keep_plain_weights``): on an
+    AVX2-only Zen 3 its 97 linears took 42 ms through ``loop_matvec`` against 59 through
+    oneDNN's packed kernel at one row."""
     if requested != "auto":  # EngineConfig checked it; use_matvec_for_single_rows does too
         return requested, "as configured (matvec_kernel)"
     flags = cpu_flags() if flags is None else flags
@@ -395,7 +409,8 @@ class PackedLinear(nn.Module):
     blocked layout (vLLM's CPU linears do the same). The plain weight is gone (a tied one, the
     lm_head's, stays with the module it is shared with) unless ``keep_plain_weight``: then
     ``weight`` keeps it, and a compiled one-row step reads it through inductor's loop
-    (``loop_matvec``), which streams a bf16 weight faster than oneDNN on CPUs without AMX."""
+    (``loop_matvec``), which streams a bf16 or float32 weight faster than oneDNN on CPUs
+    without AMX."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
 
@@ -642,7 +657,7 @@ class CompiledDecoder:
         self.plain_weight_linears = sum(isinstance(m, PackedLinear) and m.weight is not None
                                         for m in model.modules())
         if self.plain_weight_linears:
-            logger.info("one-row bf16 steps: %d packed linears read their plain weight through "
+            logger.info("one-row steps: %d packed linears read their plain weight through "
                         "inductor's own matvec loop (%s)", self.plain_weight_linears, why)
         # A CPU batch of 1 is not padded to 2 rows: a 2-row matmul leaves the matrix-vector
         # path (the 0.5B lm_head: 82 ms for 2 rows vs 34 ms for 1), so batch 1 gets its own
@@ -832,9 +847,10 @@ class CompiledRunner(ModelRunner):
         one_row_kernel = choose_matvec_kernel(config.matvec_kernel)[0]
         # Packing keeps the plain weights too where a compiled one-row step reads them through
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
+        # in bf16, 1.33 GiB in float32
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
                                        and one_row_kernel == "inductor"
-                                       and next(self.model.parameters()).dtype == torch.bfloat16)
+                                       and next(self.model.parameters()).dtype in PLAIN_LOOP_DTYPES)
         self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
@@ -877,7 +893,7 @@ class CompiledRunner(ModelRunner):
         started = time.perf_counter()
         plain = [m.weight for m in self.model.modules()
                  if isinstance(m, (nn.Linear, PackedLinear)) and m.weight is not None
-                 and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+                 and m.weight.dtype in PLAIN_LOOP_DTYPES and m.weight.device.type == "cpu"]
         if moved := move_to_huge_pages(plain):
             logger.info("moved the one-row loop's weights into huge pages: %.2f GiB in %.1f s",
                         moved / 2**30, time.perf_counter() - started)

@@ -312,7 +312,7 @@ class EngineConfig:
     compile_in_background: bool = True  # M7: serve eagerly until the compiled step is built
     compile_flat_steps: bool = True  # M7: prefill and mixed steps compiled around attention too
     compile_cpp_wrapper: bool = True  # M7: a compiled CPU decode step calls its kernels from C++
-    single_row_matvec: bool = True  # M7: a compiled CPU step of one bf16 row: a matvec kernel
+    single_row_matvec: bool = True  # M7: a compiled CPU step of one row: a matvec kernel
     matvec_kernel: str = "auto"  # M7: which one: "auto" (by the CPU), "mv" or "inductor"
     merge_projections: bool = True  # M7: q/k/v as one matmul, gate/up as one (as vLLM does)
     pack_linear_weights: bool = True  # M7: CPU linears' weights in oneDNN's layout (as vLLM)

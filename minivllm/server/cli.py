@@ -78,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "notebook 07)")
     p.add_argument("--single-row-matvec", action=argparse.BooleanOptionalAction,
                    default=engine.single_row_matvec,
-                   help="a compiled CPU decode of one bf16 row runs its linears as a "
+                   help="a compiled CPU decode of one row runs its linears as a "
                         "matrix-vector kernel (without AMX the packed linears keep their "
-                        "plain weights for it: +0.67 GiB on the 0.5B model)")
+                        "plain weights for it: +0.67 GiB on the 0.5B model in bf16, +1.33 "
+                        "GiB in float32)")
     p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
                    choices=["auto", *MATVEC_KERNELS],
                    help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
