@@ -25,7 +25,8 @@ process (run it alone; on 2 cores anything else running changes the answer):
   two engines, alternated step by step, at 1 and 8 rows (issue 30, fourteenth part).
 * ``float32``: the same 97 linears in float32 (what an AVX2-only CPU serves in) at 1, 8 and
   32 rows: packed oneDNN, oneDNN on the plain weight, ``F.linear``, plain weights in huge
-  pages, and at one row inductor's mv loop (issue 30, seventeenth part, the Zen 3).
+  pages, and at one row inductor's loops for ``torch.mv`` and for ``loop_matvec`` (issue 30,
+  seventeenth part, the Zen 3).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -108,8 +109,9 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
     route, at 1, 8 and 32 rows: oneDNN on the packed weight (what the engine ships), oneDNN
     on the plain weight (``_linear_pointwise`` takes a dense weight too: no second copy), the
     same on plain weights moved into huge pages, ``F.linear`` (MKL's sgemm), and at one row
-    inductor's mv loop on the huge-page weights."""
-    from minivllm.compile import move_to_huge_pages
+    inductor's loops on the huge-page weights: for ``torch.mv``, and for ``loop_matvec`` (8
+    partial sums a row, what the engine ships on CPUs without AMX)."""
+    from minivllm.compile import loop_matvec, move_to_huge_pages
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for k, n in SHAPES]
@@ -120,8 +122,11 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
     if not move_to_huge_pages(in_huge_pages):
         print("no transparent huge pages on this kernel: the 'huge pages' routes use 4 KiB ones")
 
-    mv_loop = torch.compile(lambda ws, x896, x4864: [
-        torch.mv(w, (x896 if w.shape[1] == 896 else x4864)[0]) for w in ws], dynamic=False)
+    def graph_of(matvec):  # all 97 in one compiled graph, as in the decode step
+        return torch.compile(lambda ws, x896, x4864: [
+            matvec(x896 if w.shape[1] == 896 else x4864, w) for w in ws], dynamic=False)
+    mv_loop = graph_of(lambda x, w: torch.mv(w, x[0]).unsqueeze(0))
+    partial_sums = graph_of(loop_matvec)
 
     def routes_at(x: dict[int, torch.Tensor]) -> dict:  # x: the (rows, in) input by in
         by_packed = [(x[w.shape[1]], p) for w, p in zip(weights, packed)]
@@ -137,6 +142,7 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
         }
         if x[896].shape[0] == 1:
             routes["mv loop, huge"] = lambda: mv_loop(in_huge_pages, x[896], x[4864])
+            routes["loop_matvec, huge"] = lambda: partial_sums(in_huge_pages, x[896], x[4864])
         return routes
 
     for rows in rows_list:
@@ -144,7 +150,7 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
         with torch.inference_mode():
             ref = routes["F.linear"]()
             for name, route in routes.items():
-                err = max(float((a - b).abs().max()) for a, b in zip(route(), ref))
+                err = max(float((a.view(b.shape) - b).abs().max()) for a, b in zip(route(), ref))
                 assert err < 1e-3, f"{name}: {err}"
             times = alternate(routes, lambda route: route(), rounds)
         base = times["packed oneDNN"]
