@@ -95,13 +95,18 @@ def part_linears(rounds: int) -> None:
         for route in routes.values():
             route()
         times = alternate(routes, lambda route: route(), rounds)
-    base = times["inductor's mv loop"]
+    print_routes(times, "inductor's mv loop", f"linears, one row, {gbytes:.2f} GB", gbytes)
+
+
+def print_routes(times: dict[str, list[float]], base: str, label: str, gbytes: float) -> None:
+    """Each route's median ms, the GB/s of weights it implies, and its ratio to ``base``
+    round by round (median and range)."""
     for name, seconds in times.items():
         m = statistics.median(seconds) * 1e3
-        ratios = [t / b for t, b in zip(seconds, base)]
-        print(f"linears, one row, {gbytes:.2f} GB: {name:20s} {m:6.1f} ms  "
-              f"{gbytes / m * 1e3:5.1f} GB/s  {statistics.median(ratios):.3f}x inductor's mv "
-              f"loop per round ({min(ratios):.2f}-{max(ratios):.2f})")
+        ratios = [t / b for t, b in zip(seconds, times[base])]
+        print(f"{label}: {name:20s} {m:7.1f} ms  {gbytes / m * 1e3:5.1f} GB/s  "
+              f"{statistics.median(ratios):.3f}x {base} per round "
+              f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
@@ -153,13 +158,8 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
                 err = max(float((a.view(b.shape) - b).abs().max()) for a, b in zip(route(), ref))
                 assert err < 1e-3, f"{name}: {err}"
             times = alternate(routes, lambda route: route(), rounds)
-        base = times["packed oneDNN"]
-        for name, seconds in times.items():
-            m = statistics.median(seconds) * 1e3
-            ratios = [t / b for t, b in zip(seconds, base)]
-            print(f"float32 linears, {rows} row(s), {gbytes:.2f} GB: {name:20s} {m:7.1f} ms  "
-                  f"{gbytes / m * 1e3:5.1f} GB/s  {statistics.median(ratios):.3f}x packed "
-                  f"({min(ratios):.2f}-{max(ratios):.2f})")
+        print_routes(times, "packed oneDNN", f"float32 linears, {rows} row(s), {gbytes:.2f} GB",
+                     gbytes)
 
 
 def compare_one_row_steps(sides: dict, pairs: int, rows: int = 1) -> None:
