@@ -226,7 +226,9 @@ def bf16_pairs_as_float32(lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (lanes << 16).view(torch.float32), (lanes & -65536).view(torch.float32)
 
 
-FLOAT32_LANES = 8  # float32 numbers in one AVX2 register: loop_matvec's partial sums a row
+# float32 numbers in one vector register (AVX-512: 16, AVX2 and others: 8): loop_matvec's
+# partial sums a row. Measured with 8 on AVX2; 16 on AVX-512 is the same shape, unmeasured.
+FLOAT32_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a loop of its own for
 
 
@@ -234,15 +236,16 @@ def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(1, K) row times the (N, K) weight -> (1, N), written for inductor to lower to its own
     loop over the weight's rows, on the row materialised first. A bf16 weight (K even) is
     read as int32 lanes, two numbers each (``bf16_pairs_as_float32``), and the products
-    summed in float32. A float32 weight (K a multiple of 8) is summed as 8 partial sums a
-    row, then their total: inductor's loop over the weight is the one it writes for
-    ``torch.mv``, yet it streamed the 0.5B model's float32 weights 1.2x faster so on a Zen 3
-    (measured, issue 30's seventeenth part). Any other weight is ``torch.mv``. Compiled only."""
+    summed in float32. A float32 weight (K a multiple of ``FLOAT32_LANES``) is summed as that
+    many partial sums a row, then their total: inductor's loop over the weight is the one it
+    writes for ``torch.mv``, yet on an AVX2 Zen 3 it streamed the 0.5B model's float32 weights
+    1.2x faster so while memory was fast, 1.03-1.1x while slow (issue 30's seventeenth part).
+    Any other weight is ``torch.mv``. Compiled only."""
     row = materialise(x)[0]  # (K,)
     n, k = weight.shape
     if weight.dtype == torch.float32 and k % FLOAT32_LANES == 0:
-        products = weight.view(n, -1, FLOAT32_LANES) * row.view(-1, FLOAT32_LANES)  # (N, K/8, 8)
-        return products.sum(1).sum(-1).unsqueeze(0)  # (N, 8) partial sums -> (1, N)
+        products = weight.view(n, -1, FLOAT32_LANES) * row.view(-1, FLOAT32_LANES)  # (N, K/L, L)
+        return products.sum(1).sum(-1).unsqueeze(0)  # (N, L) partial sums -> (1, N)
     if weight.dtype != torch.bfloat16 or k % 2 or sys.byteorder != "little":
         return torch.mv(weight, row).unsqueeze(0)
     w_even, w_odd = bf16_pairs_as_float32(weight.view(torch.int32))  # (N, K/2) each
@@ -259,7 +262,7 @@ def choose_matvec_kernel(requested: str = "auto",
     AMX) at ~12 through torch.mv and ~30 through inductor's loop. So AMX decides. A packed
     float32 model follows the same choice (``CompiledRunner.keep_plain_weights``): on an
     AVX2-only Zen 3 its 97 linears took 42 ms through ``loop_matvec`` against 59 through
-    oneDNN's packed kernel at one row."""
+    oneDNN's packed kernel at one row (fast memory; 76 against 82 in a slow state)."""
     if requested != "auto":  # EngineConfig checked it; use_matvec_for_single_rows does too
         return requested, "as configured (matvec_kernel)"
     flags = cpu_flags() if flags is None else flags

@@ -567,14 +567,14 @@ def test_bf16_pairs_are_the_even_and_odd_elements_as_float32():
     (96, 64, torch.bfloat16, "lanes"), (37, 4096, torch.bfloat16, "lanes"),
     (40, 33, torch.bfloat16, "mv"),  # odd K: no whole int32 lanes, torch.mv
     (40, 64, torch.float32, "partial sums"), (37, 4096, torch.float32, "partial sums"),
-    (40, 36, torch.float32, "mv"),  # K not a multiple of 8: no whole blocks, torch.mv
+    (40, 36, torch.float32, "mv"),  # K not a multiple of the lanes (8 or 16): torch.mv
     (40, 64, torch.float16, "mv")])
 def test_loop_matvec_takes_its_route_by_dtype_and_gives_the_product(out_features, in_features,
                                                                    dtype, route):
     """Guards: the one-row loop giving another product than F.linear (bf16 lanes paired with
     the wrong row elements, sums in bf16: over 4096 inputs those drift far beyond one
     rounding; float32 partial sums over the wrong elements), and weights taking a route they
-    cannot (odd K for lanes, K not a multiple of 8 for partial sums, another dtype)."""
+    cannot (odd K for lanes, K not a multiple of FLOAT32_LANES for partial sums, another dtype)."""
     from minivllm.compile import loop_matvec
 
     torch.manual_seed(0)
