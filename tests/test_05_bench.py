@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -797,6 +798,31 @@ def test_interleaved_short_run_with_an_isolated_engine(tiny_model, tmp_path):
     _check_records(records, "minivllm", ["fixed", "mixed"])
     assert all(r["interleaved"] for r in records)
     assert records[0]["peak_memory_kind"] == "rss" and records[0]["peak_memory_bytes"] > 0
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap and malloc_trim")
+def test_the_memory_probe_leaves_nothing_resident_where_the_heap_had_room_for_it():
+    """Guards: the probe's buffer placed in a hole that earlier frees left in the heap (as
+    an in-process engine's warm-up leaves) staying resident once freed, so that the process
+    grows by the probe and an in-process engine's recorded peak with it (CI caught it late
+    in the suite, where the heap had such a hole)."""
+    import ctypes
+
+    import psutil
+    import torch
+
+    from minivllm.bench.env import memory_read_gbs
+
+    probe = 512 * 2**20
+    torch.ones(24 * 2**20 // 4)  # a 24 MiB mapping, freed at once: raises glibc's mmap threshold
+    chunks = [torch.ones(8 * 2**20 // 4) for _ in range(80)]  # 640 MiB, now inside the heap
+    keep = torch.ones(8 * 2**20 // 4)  # above them: their space is a hole, not the heap's top
+    del chunks
+    ctypes.CDLL(None).malloc_trim(0)  # the hole's pages handed back, as compile.py's engines do
+    before = psutil.Process().memory_info().rss
+    assert memory_read_gbs(probe, repeats=1) > 0
+    assert psutil.Process().memory_info().rss < before + probe // 4
+    del keep
 
 
 def test_monitor_times_the_memory_read_outside_the_run():

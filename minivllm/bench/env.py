@@ -16,6 +16,7 @@ can be half as fast one minute as the next, with nothing else running inside it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -52,7 +53,19 @@ def memory_read_gbs(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 3) -> float
         start = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / max(best, 1e-9) / 1e9
+    rate = buffer.numel() * 4 / max(best, 1e-9) / 1e9
+    del buffer
+    _return_freed_memory()
+    return rate
+
+
+def _return_freed_memory() -> None:
+    """glibc's ``malloc_trim(0)``. Where earlier frees left a large enough hole in the heap
+    (an in-process engine after its warm-up), malloc places the probe's buffer there instead
+    of in a mapping of its own, and freeing it keeps its pages resident: the process's RSS,
+    and so an in-process engine's recorded peak, would grow by the probe."""
+    with contextlib.suppress(AttributeError, OSError):  # not glibc: nothing to do
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _cpu_seconds(processes: list[psutil.Process]) -> float:
