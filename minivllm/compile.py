@@ -38,7 +38,6 @@ step's graphs (a platform where compiling fails takes notebook 03's eager path).
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import mmap
@@ -56,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import attend_decode, gather_blocks
-from minivllm.config import MATVEC_KERNELS, cpu_flags
+from minivllm.config import MATVEC_KERNELS, cpu_flags, release_freed_memory
 from minivllm.kv_cache import AttentionMetadata
 from minivllm.model import MLP, Attention, AttentionFn, apply_rope, rope_cos_sin
 from minivllm.runner import ModelRunner, num_prompt_tokens
@@ -510,17 +509,8 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         copy = memory[base + start:base + start + n].view(t.dtype).view(t.shape)
         copy.copy_(t.data)
         t.data = copy
-    release_freed_memory()
+    release_freed_memory()  # notebook 01's config.py: the old copies' pages back to the system
     return sum(nbytes)
-
-
-def release_freed_memory() -> None:
-    """Hand the memory glibc keeps after frees back to the system (``malloc_trim``): freed
-    weights of a few MiB each stay in its heap otherwise. Nothing where libc has no such call."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
 
 
 def guards_on_inputs(entries: list) -> list[bool]:

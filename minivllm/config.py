@@ -14,6 +14,7 @@ milestones use (KV-cache size, batch limits, attention backend); it is validated
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
@@ -217,6 +218,17 @@ def cpu_flags() -> frozenset[str]:
               "avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported"}
     return frozenset(flag for flag, probe in probes.items()
                      if getattr(torch.cpu, probe, lambda: False)())
+
+
+def release_freed_memory() -> None:
+    """Hand the memory glibc keeps after frees back to the system (``malloc_trim(0)``).
+    Freed tensors of a few MiB each stay in its heap otherwise, and the process looks larger
+    than what it holds: notebook 07 calls it after moving weights, notebook 05's memory probe
+    after its buffer. Nothing where libc has no such call (not glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # bf16 dot products / tiles in hardware

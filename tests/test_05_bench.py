@@ -806,19 +806,18 @@ def test_the_memory_probe_leaves_nothing_resident_where_the_heap_had_room_for_it
     an in-process engine's warm-up leaves) staying resident once freed, so that the process
     grows by the probe and an in-process engine's recorded peak with it (CI caught it late
     in the suite, where the heap had such a hole)."""
-    import ctypes
-
     import psutil
     import torch
 
     from minivllm.bench.env import memory_read_gbs
+    from minivllm.config import release_freed_memory
 
     probe = 512 * 2**20
     torch.ones(24 * 2**20 // 4)  # a 24 MiB mapping, freed at once: raises glibc's mmap threshold
     chunks = [torch.ones(8 * 2**20 // 4) for _ in range(80)]  # 640 MiB, now inside the heap
     keep = torch.ones(8 * 2**20 // 4)  # above them: their space is a hole, not the heap's top
     del chunks
-    ctypes.CDLL(None).malloc_trim(0)  # the hole's pages handed back, as compile.py's engines do
+    release_freed_memory()  # the hole's pages handed back, as compile.py's engines do
     before = psutil.Process().memory_info().rss
     assert memory_read_gbs(probe, repeats=1) > 0
     assert psutil.Process().memory_info().rss < before + probe // 4

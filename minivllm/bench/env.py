@@ -16,7 +16,6 @@ can be half as fast one minute as the next, with nothing else running inside it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -29,7 +28,14 @@ from pathlib import Path
 
 import psutil
 
-from minivllm.config import NATIVE_BF16_FLAGS, cpu_flags, isa_caps, parse_cpuinfo, read_cpuinfo
+from minivllm.config import (
+    NATIVE_BF16_FLAGS,
+    cpu_flags,
+    isa_caps,
+    parse_cpuinfo,
+    read_cpuinfo,
+    release_freed_memory,
+)
 
 BUSY_CPU_PERCENT = 10.0  # other processes using more of the machine than this: invalid run
 MEMORY_PROBE_BYTES = 256 * 2**20  # far beyond any CPU's caches: the read comes from memory
@@ -55,17 +61,12 @@ def memory_read_gbs(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 3) -> float
         best = min(best, time.perf_counter() - start)
     rate = buffer.numel() * 4 / max(best, 1e-9) / 1e9
     del buffer
-    _return_freed_memory()
+    # Where earlier frees left a large enough hole in the heap (an in-process engine after its
+    # warm-up), malloc placed the buffer there instead of in a mapping of its own, and freeing
+    # it keeps its pages resident: the process's RSS, and so an in-process engine's recorded
+    # peak, would grow by the probe. malloc_trim hands them back.
+    release_freed_memory()
     return rate
-
-
-def _return_freed_memory() -> None:
-    """glibc's ``malloc_trim(0)``. Where earlier frees left a large enough hole in the heap
-    (an in-process engine after its warm-up), malloc places the probe's buffer there instead
-    of in a mapping of its own, and freeing it keeps its pages resident: the process's RSS,
-    and so an in-process engine's recorded peak, would grow by the probe."""
-    with contextlib.suppress(AttributeError, OSError):  # not glibc: nothing to do
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _cpu_seconds(processes: list[psutil.Process]) -> float:
