@@ -229,6 +229,10 @@ def bf16_pairs_as_float32(lanes: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 # partial sums a row. Measured with 8 on AVX2; 16 on AVX-512 is the same shape, unmeasured.
 FLOAT32_LANES = 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
 PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a loop of its own for
+# bf16 numbers a float32 row's loop reads per step from a weight held in bf16 (a float32 model
+# whose weights are bf16 numbers: narrow_plain_weights): one vector register of them, two of
+# float32 once widened. Measured with 16 on AVX2; 32 on AVX-512 is the same shape, unmeasured.
+BF16_WEIGHT_LANES = 2 * FLOAT32_LANES
 
 
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -239,9 +243,18 @@ def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     many partial sums a row, then their total: inductor's loop over the weight is the one it
     writes for ``torch.mv``, yet on an AVX2 Zen 3 it streamed the 0.5B model's float32 weights
     1.2x faster so while memory was fast, 1.03-1.1x while slow (issue 30's seventeenth part).
-    Any other weight is ``torch.mv``. Compiled only."""
+    A bf16 weight beside a float32 row (a float32 model's weight held in bf16 by
+    ``narrow_plain_weights``) is widened to float32 as it is read, BF16_WEIGHT_LANES partial
+    sums a row: half the bytes of the float32 weight, the same numbers. Any other weight is
+    ``torch.mv``. Compiled only."""
     row = materialise(x)[0]  # (K,)
     n, k = weight.shape
+    if weight.dtype == torch.bfloat16 and row.dtype == torch.float32:
+        if k % BF16_WEIGHT_LANES:
+            return torch.mv(weight.float(), row).unsqueeze(0)
+        products = (weight.view(n, -1, BF16_WEIGHT_LANES).float()  # (N, K/L, L) float32
+                    * row.view(-1, BF16_WEIGHT_LANES))
+        return products.sum(1).sum(-1).unsqueeze(0)  # (N, L) partial sums -> (1, N)
     if weight.dtype == torch.float32 and k % FLOAT32_LANES == 0:
         products = weight.view(n, -1, FLOAT32_LANES) * row.view(-1, FLOAT32_LANES)  # (N, K/L, L)
         return products.sum(1).sum(-1).unsqueeze(0)  # (N, L) partial sums -> (1, N)
@@ -511,6 +524,33 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         t.data = copy
     release_freed_memory()  # notebook 01's config.py: the old copies' pages back to the system
     return sum(nbytes)
+
+
+def holds_only_bf16_numbers(weight: torch.Tensor) -> bool:
+    """Whether every number of a float32 ``weight`` is a bf16 number too: a bf16 number is
+    the top half of a float32, so its low 16 bits are zero. Checked a slice at a time (no
+    full-size temporary)."""
+    bits = weight.detach().reshape(-1).view(torch.int32)
+    return not any(torch.any(piece & 0xFFFF) for piece in bits.split(2**22))
+
+
+def narrow_plain_weights(modules: list[nn.Module]) -> int:
+    """Hold in bf16 each float32 plain weight of ``modules`` (the packed linears' copies for
+    the one-row loop) whose numbers are all bf16 numbers, as every weight of a checkpoint
+    saved in bf16 is (Qwen's are): the same numbers in half the bytes, which ``loop_matvec``
+    widens to float32 as it reads them. A weight shared with another module (the tied lm_head
+    is the embedding) is copied, not changed: the embedding stays float32. Returns the bytes
+    of the bf16 copies."""
+    narrowed = 0
+    for module in modules:
+        weight = module.weight
+        if (weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or weight.shape[-1] % BF16_WEIGHT_LANES or not holds_only_bf16_numbers(weight)):
+            continue
+        module.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+        narrowed += module.weight.numel() * 2
+    release_freed_memory()  # the float32 copies nothing else holds
+    return narrowed
 
 
 def guards_on_inputs(entries: list) -> list[bool]:
@@ -840,11 +880,12 @@ class CompiledRunner(ModelRunner):
         one_row_kernel = choose_matvec_kernel(config.matvec_kernel)[0]
         # Packing keeps the plain weights too where a compiled one-row step reads them through
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
-        # in bf16, 1.33 GiB in float32
+        # in bf16, 1.33 GiB in float32 (0.92 where they are bf16 numbers: narrow_plain_weights)
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
                                        and one_row_kernel == "inductor"
                                        and next(self.model.parameters()).dtype in PLAIN_LOOP_DTYPES)
         self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
+        self.narrowed_bytes = 0  # of those, float32 ones held in bf16 (narrow_plain_weights)
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
                 use_matvec_for_single_rows(self.model, one_row_kernel)
@@ -879,11 +920,18 @@ class CompiledRunner(ModelRunner):
 
     def prepare_weights(self) -> None:
         """``pack_weights``; then, where a compiled one-row step streams the plain weights
-        through inductor's loop (``keep_plain_weights``), those weights into huge pages."""
+        through inductor's loop (``keep_plain_weights``), float32 ones that hold only bf16
+        numbers into bf16 (``narrow_plain_weights``), and all of them into huge pages."""
         self.pack_weights()
         if not self.keep_plain_weights:
             return
         started = time.perf_counter()
+        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        if narrowed := narrow_plain_weights(packed):
+            logger.info("the one-row loop reads its float32 weights as bf16 (they are all bf16 "
+                        "numbers): %.2f GiB in %.1f s", narrowed / 2**30,
+                        time.perf_counter() - started)
+        self.narrowed_bytes = narrowed
         plain = [m.weight for m in self.model.modules()
                  if isinstance(m, (nn.Linear, PackedLinear)) and m.weight is not None
                  and m.weight.dtype in PLAIN_LOOP_DTYPES and m.weight.device.type == "cpu"]

@@ -597,6 +597,69 @@ def test_loop_matvec_takes_its_route_by_dtype_and_gives_the_product(out_features
     torch.testing.assert_close(out.double(), exact, rtol=rtol, atol=1e-5)
 
 
+@pytest.mark.parametrize(("out_features", "in_features", "route"), [
+    (96, 64, "widened"), (37, 4096, "widened"),
+    (40, 40, "mv")])  # K not a multiple of BF16_WEIGHT_LANES (16 or 32): torch.mv, widened
+def test_loop_matvec_widens_a_bf16_weight_beside_a_float32_row(out_features, in_features, route):
+    """Guards: a float32 model's weight held in bf16 (narrow_plain_weights) read as int32
+    lanes paired with a float32 row's bits, or its products summed in bf16 (the result is
+    float32, exact weights times a float32 row), and K that does not fill the lanes."""
+    from minivllm.compile import loop_matvec
+
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    x = torch.randn(1, in_features)  # float32
+
+    class Row(nn.Module):
+        def forward(self, row):
+            return loop_matvec(row, weight)
+
+    ops = _export_ops(Row(), x)
+    taken = ("mv" if "aten.mv.default" in ops else "widened"
+             if ops.count("aten.sum.dim_IntList") == 2 and "aten.__lshift__.Scalar" not in ops
+             else None)
+    assert taken == route, ops
+    with torch.inference_mode():
+        out = torch.compile(Row(), dynamic=False)(x)
+    exact = x.double() @ weight.double().t()  # (1, out_features)
+    assert out.shape == (1, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_plain_weights_holds_only_bf16_numbers_in_bf16():
+    """Guards: a float32 weight narrowed although one of its numbers is not a bf16 number
+    (a changed model), or one whose K does not fill the widened loop's lanes; numbers changed
+    by the narrowing; a weight shared with the embedding (the tied lm_head) changed in place,
+    which would leave the embedding in bf16."""
+    from minivllm.compile import BF16_WEIGHT_LANES, holds_only_bf16_numbers, narrow_plain_weights
+
+    torch.manual_seed(0)
+    k = 2 * BF16_WEIGHT_LANES
+
+    def linear(in_features: int, out_features: int) -> nn.Linear:
+        module = nn.Linear(in_features, out_features, bias=False).requires_grad_(False)
+        module.weight.data = module.weight.data.to(torch.bfloat16).float()  # bf16 numbers
+        return module
+
+    exact, inexact, odd = linear(k, 32), linear(k, 32), linear(k + 8, 32)
+    inexact.weight.data[3, 5] = 0.1  # not a bf16 number
+    embedding = nn.Embedding(48, k).requires_grad_(False)
+    embedding.weight.data = embedding.weight.data.to(torch.bfloat16).float()
+    head = nn.Linear(k, 48, bias=False)
+    head.weight = embedding.weight  # tied
+    before = {name: m.weight.detach().clone() for name, m in
+              [("exact", exact), ("inexact", inexact), ("odd", odd), ("embedding", embedding)]}
+    assert holds_only_bf16_numbers(exact.weight) and not holds_only_bf16_numbers(inexact.weight)
+
+    assert narrow_plain_weights([exact, inexact, odd, head]) == (32 * k + 48 * k) * 2
+    assert exact.weight.dtype == head.weight.dtype == torch.bfloat16
+    assert torch.equal(exact.weight.float(), before["exact"])
+    assert torch.equal(head.weight.float(), before["embedding"])
+    for name, module in [("inexact", inexact), ("odd", odd), ("embedding", embedding)]:
+        assert module.weight.dtype == torch.float32 and torch.equal(module.weight, before[name])
+    assert head.weight is not embedding.weight
+
+
 def _mapping_of(address: int) -> dict[str, str]:
     """The /proc/self/smaps fields of the mapping that holds ``address``."""
     fields, inside = {}, False
@@ -668,6 +731,12 @@ def test_the_runner_keeps_plain_weights_only_for_a_compiled_one_row_loop(tiny_mo
     plain = {id(m.weight): m.weight for m in packed if m.weight is not None}.values()
     in_huge_pages = sum(w.numel() * w.element_size() for w in plain)  # the tied one once
     assert runner.huge_page_bytes == (in_huge_pages if transparent_huge_pages() else 0)
+    # the bundled model is saved in bf16: a float32 one's kept copies hold bf16 numbers only,
+    # so the loop reads them in bf16 (narrow_plain_weights); the embedding stays float32
+    narrowed = kept and dtype == "float32"
+    assert runner.narrowed_bytes == (in_huge_pages if narrowed else 0)
+    assert all(w.dtype == torch.bfloat16 for w in plain)  # bf16 ones, or narrowed float32 ones
+    assert runner.model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
 
 
 @needs_onednn_bf16

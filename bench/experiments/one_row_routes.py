@@ -27,6 +27,9 @@ process (run it alone; on 2 cores anything else running changes the answer):
   32 rows: packed oneDNN, oneDNN on the plain weight, ``F.linear``, plain weights in huge
   pages, and at one row inductor's loops for ``torch.mv`` and for ``loop_matvec`` (issue 30,
   seventeenth part, the Zen 3).
+* ``narrow``: a float32 engine as shipped, whose one-row loop reads bf16 copies of weights
+  that are bf16 numbers, against one keeping float32 copies; compiled steps alternated at 1
+  and 8 rows (issue 30, eighteenth part, the Zen 3).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -114,17 +117,22 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
     route, at 1, 8 and 32 rows: oneDNN on the packed weight (what the engine ships), oneDNN
     on the plain weight (``_linear_pointwise`` takes a dense weight too: no second copy), the
     same on plain weights moved into huge pages, ``F.linear`` (MKL's sgemm), and at one row
-    inductor's loops on the huge-page weights: for ``torch.mv``, and for ``loop_matvec`` (8
-    partial sums a row, what the engine ships on CPUs without AMX)."""
+    inductor's loops on the huge-page weights: for ``torch.mv``, for ``loop_matvec`` (8
+    partial sums a row, what the engine shipped on CPUs without AMX before the eighteenth
+    part), and for ``loop_matvec`` on bf16 copies of the weights (what it ships where the
+    weights are bf16 numbers, as a checkpoint saved in bf16 gives them: ``narrow_plain_weights``).
+    The weights here are such numbers, so every route multiplies the same ones."""
     from minivllm.compile import loop_matvec, move_to_huge_pages
 
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for k, n in SHAPES]
-    weights.append(torch.randn(VOCAB, 896) * 0.02)  # the lm_head
+    weights = [(torch.randn(n, k) * 0.02).bfloat16().float()
+               for _ in range(LAYERS) for k, n in SHAPES]
+    weights.append((torch.randn(VOCAB, 896) * 0.02).bfloat16().float())  # the lm_head
     gbytes = sum(w.numel() * 4 for w in weights) / 1e9
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     in_huge_pages = [w.clone() for w in weights]
-    if not move_to_huge_pages(in_huge_pages):
+    in_bf16 = [w.bfloat16() for w in weights]  # the same numbers, half the bytes
+    if not move_to_huge_pages(in_huge_pages) or not move_to_huge_pages(in_bf16):
         print("no transparent huge pages on this kernel: the 'huge pages' routes use 4 KiB ones")
 
     def graph_of(matvec):  # all 97 in one compiled graph, as in the decode step
@@ -148,6 +156,8 @@ def part_float32(rounds: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
         if x[896].shape[0] == 1:
             routes["mv loop, huge"] = lambda: mv_loop(in_huge_pages, x[896], x[4864])
             routes["loop_matvec, huge"] = lambda: partial_sums(in_huge_pages, x[896], x[4864])
+            routes["loop_matvec, bf16 copies, huge"] = lambda: partial_sums(
+                in_bf16, x[896], x[4864])
         return routes
 
     for rows in rows_list:
@@ -229,6 +239,28 @@ def part_wide(model_path: str, pairs: int) -> None:
         compare_one_row_steps({"as shipped": shipped.runner.decoder,
                                "plain weights of the wide linears only": wide.runner.decoder},
                               pairs, rows)
+
+
+def part_narrow(model_path: str, pairs: int) -> None:
+    """A float32 engine as shipped (where its weights are bf16 numbers, the one-row loop
+    reads bf16 copies: ``narrow_plain_weights``) against the same engine keeping float32
+    copies, compiled steps alternated at 1 and 8 rows (eighteenth part)."""
+    import minivllm.compile as compile_module
+    from minivllm import LLM
+
+    shipped = LLM(model_path, dtype="float32", compile_in_background=False).engine
+    narrow = compile_module.narrow_plain_weights
+    compile_module.narrow_plain_weights = lambda modules: 0
+    try:
+        kept = LLM(model_path, dtype="float32", compile_in_background=False).engine
+    finally:
+        compile_module.narrow_plain_weights = narrow
+    print(f"one-row loop's weights: as shipped {shipped.runner.huge_page_bytes / 2**30:.2f} GiB"
+          f" ({shipped.runner.narrowed_bytes / 2**30:.2f} of them bf16 copies), float32 copies"
+          f" {kept.runner.huge_page_bytes / 2**30:.2f} GiB")
+    for rows in (1, 8):
+        compare_one_row_steps({"float32 copies": kept.runner.decoder,
+                               "as shipped": shipped.runner.decoder}, pairs, rows)
 
 
 def part_engine(model_path: str, pairs: int) -> None:
@@ -327,6 +359,8 @@ def main() -> None:
             part_shipped(args.model, args.pairs)
         elif part == "wide":
             part_wide(args.model, args.pairs)
+        elif part == "narrow":
+            part_narrow(args.model, args.pairs)
         elif part == "engine":
             part_engine(args.model, max(2, args.pairs // 4))
         elif part == "fusion":
