@@ -425,7 +425,8 @@ class PackedLinear(nn.Module):
     lm_head's, stays with the module it is shared with) unless ``keep_plain_weight``: then
     ``weight`` keeps it, and a compiled one-row step reads it through inductor's loop
     (``loop_matvec``), which streams a bf16 or float32 weight faster than oneDNN on CPUs
-    without AMX."""
+    without AMX. A float32 one may later become a bf16 copy of itself, the same numbers
+    (``narrow_plain_weights``)."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
 
