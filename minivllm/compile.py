@@ -550,7 +550,8 @@ def narrow_plain_weights(modules: list[nn.Module]) -> int:
             continue
         module.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
         narrowed += module.weight.numel() * 2
-    release_freed_memory()  # the float32 copies nothing else holds
+    if narrowed:  # a bf16 model, or float32 numbers: nothing was freed
+        release_freed_memory()  # the float32 copies nothing else holds
     return narrowed
 
 
