@@ -555,6 +555,47 @@ def narrow_plain_weights(modules: list[nn.Module]) -> int:
     return narrowed
 
 
+class WideningEmbedding(nn.Module):
+    """A float32 model's embedding table held in bf16, where every number of it is a bf16
+    number (``narrow_embedding``): each row looked up is widened back to float32, the very
+    numbers the float32 table held, from half its bytes."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight  # (vocab, hidden) bf16
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight).float()  # (T,) -> (T, hidden) float32
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, held in bf16, read as float32"
+
+
+def narrow_embedding(model: nn.Module) -> int:
+    """Swap a float32 CPU model's embedding for a ``WideningEmbedding`` over a bf16 copy of
+    its table, where every number of it is a bf16 number. A tied lm_head that was packed
+    keeping its plain weight for the one-row loop (``PackedLinear``) reads that same copy
+    (``loop_matvec`` widens it): one bf16 table where there were a float32 one and a bf16 copy
+    (``narrow_plain_weights`` alone copies a shared weight). A tied lm_head that still
+    multiplies the float32 table itself (an unpacked ``nn.Linear``) needs it: then nothing
+    changes. Returns the bytes of the bf16 table (0: left alone)."""
+    embedding, head = model.model.embed_tokens, model.lm_head
+    weight = embedding.weight
+    if (type(embedding) is not nn.Embedding or weight.dtype != torch.float32
+            or weight.device.type != "cpu" or weight.shape[-1] % BF16_WEIGHT_LANES):
+        return 0
+    tied = head.weight is weight
+    if (tied and not isinstance(head, PackedLinear)) or not holds_only_bf16_numbers(weight):
+        return 0
+    table = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+    model.model.embed_tokens = WideningEmbedding(table)
+    if tied:
+        head.weight = table  # (vocab, hidden) bf16: the one-row loop's plain weight
+    del embedding, weight
+    release_freed_memory()  # the float32 table, nothing holds it now
+    return table.numel() * 2
+
+
 def guards_on_inputs(entries: list) -> list[bool]:
     """``torch.compile``'s ``guard_filter_fn``: keep dynamo's guards on the function's inputs
     (tensors' dtype, device, shape and strides; which sizes are symbolic; ints) and on the
@@ -882,12 +923,13 @@ class CompiledRunner(ModelRunner):
         one_row_kernel = choose_matvec_kernel(config.matvec_kernel)[0]
         # Packing keeps the plain weights too where a compiled one-row step reads them through
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
-        # in bf16, 1.33 GiB in float32 (0.92 where they are bf16 numbers: narrow_plain_weights)
+        # in bf16, 1.33 GiB in float32 (0.67 where they are bf16 numbers, the tied lm_head's
+        # the embedding's own bf16 table: narrow_embedding, narrow_plain_weights)
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
                                        and one_row_kernel == "inductor"
                                        and next(self.model.parameters()).dtype in PLAIN_LOOP_DTYPES)
         self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
-        self.narrowed_bytes = 0  # of those, float32 ones held in bf16 (narrow_plain_weights)
+        self.narrowed_bytes = 0  # float32 weights held in bf16: narrow_embedding, _plain_weights
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
                 use_matvec_for_single_rows(self.model, one_row_kernel)
@@ -921,19 +963,23 @@ class CompiledRunner(ModelRunner):
         return packed
 
     def prepare_weights(self) -> None:
-        """``pack_weights``; then, where a compiled one-row step streams the plain weights
+        """``pack_weights``; then a float32 embedding of bf16 numbers into bf16
+        (``narrow_embedding``); where a compiled one-row step streams the plain weights
         through inductor's loop (``keep_plain_weights``), float32 ones that hold only bf16
-        numbers into bf16 (``narrow_plain_weights``), and all of them into huge pages."""
+        numbers into bf16 too (``narrow_plain_weights``), and all of them into huge pages."""
         self.pack_weights()
-        if not self.keep_plain_weights:
-            return
         started = time.perf_counter()
-        packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
-        if narrowed := narrow_plain_weights(packed):
-            logger.info("the one-row loop reads its float32 weights as bf16 (they are all bf16 "
-                        "numbers): %.2f GiB in %.1f s", narrowed / 2**30,
+        narrowed = narrow_embedding(self.model)  # first: a tied lm_head shares its table
+        if self.keep_plain_weights:
+            packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+            narrowed += narrow_plain_weights(packed)
+        if narrowed:
+            logger.info("float32 weights held as bf16 (they are all bf16 numbers), read as "
+                        "float32: %.2f GiB in %.1f s", narrowed / 2**30,
                         time.perf_counter() - started)
         self.narrowed_bytes = narrowed
+        if not self.keep_plain_weights:
+            return
         plain = [m.weight for m in self.model.modules()
                  if isinstance(m, (nn.Linear, PackedLinear)) and m.weight is not None
                  and m.weight.dtype in PLAIN_LOOP_DTYPES and m.weight.device.type == "cpu"]

@@ -660,6 +660,55 @@ def test_narrow_plain_weights_holds_only_bf16_numbers_in_bf16():
     assert head.weight is not embedding.weight
 
 
+def test_narrow_embedding_shares_one_bf16_table_with_a_packed_tied_lm_head():
+    """Guards: a float32 embedding narrowed although a number of it is not a bf16 number, or
+    while a plain tied lm_head (F.linear) still multiplies the float32 table; looked-up rows
+    other than the float32 table's or not float32; a packed tied lm_head given a table of its
+    own (the embedding's bytes twice) or changing its logits."""
+    from minivllm.compile import (
+        BF16_WEIGHT_LANES,
+        PackedLinear,
+        WideningEmbedding,
+        can_pack_linear_weights,
+        narrow_embedding,
+    )
+
+    torch.manual_seed(0)
+    vocab, k = 48, 2 * BF16_WEIGHT_LANES
+    if not can_pack_linear_weights(nn.Linear(k, vocab)):
+        pytest.skip("no oneDNN on this CPU")
+
+    def tied_model(pack: bool, exact: bool = True) -> nn.Module:
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.embed_tokens = nn.Embedding(vocab, k).requires_grad_(False)
+        table = model.model.embed_tokens.weight
+        table.data = table.data.to(torch.bfloat16).float()  # bf16 numbers, as loaded from bf16
+        if not exact:
+            table.data[7, 3] = 0.1  # not a bf16 number
+        model.lm_head = nn.Linear(k, vocab, bias=False)
+        model.lm_head.weight = table
+        if pack:
+            model.lm_head = PackedLinear(model.lm_head, keep_plain_weight=True)
+        return model
+
+    ids, row = torch.tensor([0, 7, 47, 7]), torch.randn(3, k)
+    for pack, exact in [(False, True), (True, False)]:  # left alone
+        model = tied_model(pack, exact)
+        assert narrow_embedding(model) == 0
+        assert type(model.model.embed_tokens) is nn.Embedding
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+    model = tied_model(pack=True)
+    before = model.model.embed_tokens(ids), model.lm_head(row)
+    assert narrow_embedding(model) == vocab * k * 2
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, WideningEmbedding) and embedding.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight is embedding.weight  # one bf16 table, shared
+    looked_up = embedding(ids)
+    assert looked_up.dtype == torch.float32 and torch.equal(looked_up, before[0])
+    assert torch.equal(model.lm_head(row), before[1])  # the packed weight, untouched
+
+
 def _mapping_of(address: int) -> dict[str, str]:
     """The /proc/self/smaps fields of the mapping that holds ``address``."""
     fields, inside = {}, False
@@ -731,12 +780,19 @@ def test_the_runner_keeps_plain_weights_only_for_a_compiled_one_row_loop(tiny_mo
     plain = {id(m.weight): m.weight for m in packed if m.weight is not None}.values()
     in_huge_pages = sum(w.numel() * w.element_size() for w in plain)  # the tied one once
     assert runner.huge_page_bytes == (in_huge_pages if transparent_huge_pages() else 0)
-    # the bundled model is saved in bf16: a float32 one's kept copies hold bf16 numbers only,
-    # so the loop reads them in bf16 (narrow_plain_weights); the embedding stays float32
-    narrowed = kept and dtype == "float32"
-    assert runner.narrowed_bytes == (in_huge_pages if narrowed else 0)
+    # the bundled model is saved in bf16: a float32 one's embedding and kept copies hold bf16
+    # numbers only, so they are held in bf16 (narrow_embedding, narrow_plain_weights), the
+    # tied lm_head's copy is the embedding's table, and a lookup still gives float32 rows
+    model = runner.model
+    table = model.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and (model.lm_head.weight is table) == kept
+    if dtype == "float32":
+        assert runner.narrowed_bytes == (in_huge_pages if kept else table.numel() * 2)
+        ids = torch.tensor([0, 5, 4000])
+        assert model.model.embed_tokens(ids).dtype == torch.float32
+    else:
+        assert runner.narrowed_bytes == 0
     assert all(w.dtype == torch.bfloat16 for w in plain)  # bf16 ones, or narrowed float32 ones
-    assert runner.model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
 
 
 @needs_onednn_bf16

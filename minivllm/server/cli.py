@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a compiled CPU decode of one row runs its linears as a "
                         "matrix-vector kernel (without AMX the packed linears keep their "
                         "plain weights for it: +0.67 GiB on the 0.5B model in bf16, +1.33 "
-                        "GiB in float32, +0.92 where its numbers are bf16 ones, held in bf16)")
+                        "GiB in float32, +0.67 where its numbers are bf16 ones, held in bf16, "
+                        "the embedding too)")
     p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
                    choices=["auto", *MATVEC_KERNELS],
                    help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
