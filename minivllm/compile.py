@@ -923,13 +923,14 @@ class CompiledRunner(ModelRunner):
         one_row_kernel = choose_matvec_kernel(config.matvec_kernel)[0]
         # Packing keeps the plain weights too where a compiled one-row step reads them through
         # inductor's loop (CPUs without AMX): the linears' bytes twice, 0.67 GiB more on 0.5B
-        # in bf16, 1.33 GiB in float32 (0.67 where they are bf16 numbers, the tied lm_head's
-        # the embedding's own bf16 table: narrow_embedding, narrow_plain_weights)
+        # in bf16, 1.33 GiB in float32 (0.67 where they are bf16 numbers: the tied lm_head's
+        # is then the embedding's own bf16 table; narrow_embedding, narrow_plain_weights)
         self.keep_plain_weights = bool(use_compile and config.single_row_matvec
                                        and one_row_kernel == "inductor"
                                        and next(self.model.parameters()).dtype in PLAIN_LOOP_DTYPES)
         self.huge_page_bytes = 0  # of those weights, moved into huge pages (prepare_weights)
-        self.narrowed_bytes = 0  # float32 weights held in bf16: narrow_embedding, _plain_weights
+        self.narrowed_bytes = 0  # of float32 weights held in bf16 (narrow_embedding and
+        # narrow_plain_weights: the embedding's table, the plain weights kept for one row)
         if use_compile and config.compile_in_background:
             if config.single_row_matvec:  # now, before serving, not in the thread
                 use_matvec_for_single_rows(self.model, one_row_kernel)
