@@ -474,20 +474,27 @@ def can_pack_linear_weights(model: nn.Module) -> bool:
                                              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False) -> int:
+def pack_linear_weights(model: nn.Module, keep_plain_weights: bool = False,
+                        each: Callable[[PackedLinear], object] | None = None) -> int:
     """Swap every ``nn.Linear`` of a bf16 or float32 CPU model (merged ones too) for a
     ``PackedLinear``, in place, each keeping its plain weight too with ``keep_plain_weights``
-    (for the one-row loop: the linears' bytes once more, bar a tied lm_head's). Returns how
-    many; 0 where ``can_pack_linear_weights`` says no."""
+    (for the one-row loop: the linears' bytes once more, bar a tied lm_head's), and handing
+    it to ``each`` once it is in place (``CompiledRunner`` narrows its plain weight there, so
+    float32 weights go one at a time, not all at the end). Returns how many; 0 where
+    ``can_pack_linear_weights`` says no."""
     if not can_pack_linear_weights(model):
         return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) in (nn.Linear, SingleRowLinear):
-                setattr(parent, name, PackedLinear(child, keep_plain_weights))
-                swapped += 1
-    return swapped
+    # (parent, name) pairs, not the linears: a list of them would keep every plain weight
+    # alive until the last one is packed
+    places = [(parent, name) for parent in model.modules()
+              for name, child in parent.named_children()
+              if type(child) in (nn.Linear, SingleRowLinear)]
+    for parent, name in places:
+        packed = PackedLinear(getattr(parent, name), keep_plain_weights)
+        setattr(parent, name, packed)  # the plain linear goes (its weight with it, unless kept)
+        if each is not None:
+            each(packed)
+    return len(places)
 
 
 HUGE_PAGE_BYTES = 2 * 1024**2  # a transparent huge page on x86-64 (and arm64 with 4 KiB pages)
@@ -523,7 +530,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         copy = memory[base + start:base + start + n].view(t.dtype).view(t.shape)
         copy.copy_(t.data)
         t.data = copy
-    release_freed_memory()  # notebook 01's config.py: the old copies' pages back to the system
+        # notebook 01's config.py: the old copy's pages back to the system now, not after
+        # the last (glibc keeps a freed buffer of a few MiB in its heap), so that the old
+        # copies and the new ones are never all resident at once
+        release_freed_memory()
     return sum(nbytes)
 
 
@@ -951,11 +961,22 @@ class CompiledRunner(ModelRunner):
                 self.compile_seconds = self.compiled_after_s = self._decoder.compile_seconds
 
     def pack_weights(self) -> int:
-        """Pack the linears' weights for oneDNN when configured (and a bf16 CPU model)."""
+        """Pack the linears' weights for oneDNN when configured (and a bf16 CPU model). A
+        plain weight kept for the one-row loop is narrowed as soon as its linear is packed
+        (``narrow_plain_weights``): the float32 weights then go one at a time, and the
+        start-up high-water mark is lower by their bytes. A tied lm_head's waits for
+        ``narrow_embedding``, which gives it the embedding's own bf16 table."""
         if not self.config.pack_linear_weights:
             return 0
         started = time.perf_counter()
-        if packed := pack_linear_weights(self.model, self.keep_plain_weights):
+        tables = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+
+        def narrow(module: PackedLinear) -> None:
+            if module.weight is not None and id(module.weight) not in tables:
+                self.narrowed_bytes += narrow_plain_weights([module])
+
+        if packed := pack_linear_weights(self.model, self.keep_plain_weights,
+                                         narrow if self.keep_plain_weights else None):
             gib = sum(m.packed_bytes for m in self.model.modules() if isinstance(m, PackedLinear))
             logger.info("packed %d linears' weights for oneDNN: %.2f GiB in %.1f s%s", packed,
                         gib / 2**30, time.perf_counter() - started,
@@ -968,17 +989,17 @@ class CompiledRunner(ModelRunner):
         (``narrow_embedding``); where a compiled one-row step streams the plain weights
         through inductor's loop (``keep_plain_weights``), float32 ones that hold only bf16
         numbers into bf16 too (``narrow_plain_weights``), and all of them into huge pages."""
-        self.pack_weights()
+        self.narrowed_bytes = 0
+        self.pack_weights()  # narrows the kept plain weights as it packs them
         started = time.perf_counter()
-        narrowed = narrow_embedding(self.model)  # first: a tied lm_head shares its table
-        if self.keep_plain_weights:
+        # before the rest: a tied lm_head takes the embedding's table, not a copy of its own
+        self.narrowed_bytes += narrow_embedding(self.model)
+        if self.keep_plain_weights:  # what packing left (a tied lm_head's, the embedding kept)
             packed = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
-            narrowed += narrow_plain_weights(packed)
-        if narrowed:
+            self.narrowed_bytes += narrow_plain_weights(packed)
+        if self.narrowed_bytes:
             logger.info("float32 weights held as bf16 (they are all bf16 numbers), read as "
-                        "float32: %.2f GiB in %.1f s", narrowed / 2**30,
-                        time.perf_counter() - started)
-        self.narrowed_bytes = narrowed
+                        "float32: %.2f GiB", self.narrowed_bytes / 2**30)
         if not self.keep_plain_weights:
             return
         plain = [m.weight for m in self.model.modules()

@@ -660,6 +660,31 @@ def test_narrow_plain_weights_holds_only_bf16_numbers_in_bf16():
     assert head.weight is not embedding.weight
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_pack_linear_weights_lets_each_plain_linear_go_as_it_packs_the_next(keep):
+    """Guards: packing holding every plain linear (and its weight) until the last is packed,
+    which puts the model's weights twice in memory at start-up; ``each`` not called once per
+    packed linear, or before that linear is in its place."""
+    import weakref
+
+    from minivllm.compile import PackedLinear, can_pack_linear_weights, pack_linear_weights
+
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))).requires_grad_(False)
+    if not can_pack_linear_weights(model):
+        pytest.skip("no oneDNN on this CPU")
+    alive = [weakref.ref(linear) for linear in model]
+    seen = []
+
+    def each(packed: PackedLinear) -> None:
+        index = len(seen)
+        assert model[index] is packed  # in its place already
+        seen.append([ref() is None for ref in alive])  # which plain linears are gone
+
+    assert pack_linear_weights(model, keep_plain_weights=keep, each=each) == 3
+    assert seen == [[True, False, False], [True, True, False], [True, True, True]]
+    assert all(isinstance(m, PackedLinear) and (m.weight is not None) == keep for m in model)
+
+
 def test_narrow_embedding_shares_one_bf16_table_with_a_packed_tied_lm_head():
     """Guards: a float32 embedding narrowed although a number of it is not a bf16 number, or
     while a plain tied lm_head (F.linear) still multiplies the float32 table; looked-up rows
