@@ -969,10 +969,10 @@ class CompiledRunner(ModelRunner):
         if not self.config.pack_linear_weights:
             return 0
         started = time.perf_counter()
-        tables = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        table = self.model.model.embed_tokens.weight  # a tied lm_head's plain weight
 
         def narrow(module: PackedLinear) -> None:
-            if module.weight is not None and id(module.weight) not in tables:
+            if module.weight is not None and module.weight is not table:
                 self.narrowed_bytes += narrow_plain_weights([module])
 
         if packed := pack_linear_weights(self.model, self.keep_plain_weights,
@@ -991,7 +991,6 @@ class CompiledRunner(ModelRunner):
         numbers into bf16 too (``narrow_plain_weights``), and all of them into huge pages."""
         self.narrowed_bytes = 0
         self.pack_weights()  # narrows the kept plain weights as it packs them
-        started = time.perf_counter()
         # before the rest: a tied lm_head takes the embedding's table, not a copy of its own
         self.narrowed_bytes += narrow_embedding(self.model)
         if self.keep_plain_weights:  # what packing left (a tied lm_head's, the embedding kept)
@@ -1002,6 +1001,7 @@ class CompiledRunner(ModelRunner):
                         "float32: %.2f GiB", self.narrowed_bytes / 2**30)
         if not self.keep_plain_weights:
             return
+        started = time.perf_counter()
         plain = [m.weight for m in self.model.modules()
                  if isinstance(m, (nn.Linear, PackedLinear)) and m.weight is not None
                  and m.weight.dtype in PLAIN_LOOP_DTYPES and m.weight.device.type == "cpu"]
