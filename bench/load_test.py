@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from typing_extensions import Self
 
 import minivllm
 
@@ -300,8 +301,9 @@ class Server:
             self.proc.wait()
             return -9
 
-    def __enter__(self) -> Server:
-        return self.start().wait_ready()
+    def __enter__(self) -> Self:
+        self.start().wait_ready()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -77,14 +77,14 @@ SKIP_DIRS = {
 SKIP_FILE_PREFIXES = ("_sysconfigdata",)
 MAX_FILE_BYTES = 400_000
 
-ARCH = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,
-)
+ARCH = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
 BPE_VOCAB = 4000  # BPE tokens (incl. the 256 byte alphabet); specials come after
 VOCAB_PAD_MULTIPLE = 64
 
