@@ -67,12 +67,12 @@ def part_loop() -> None:
         row = materialise(x)[0]
         return (blocked.float() * row.view(1, -1, 1)).sum(1).view(1, -1)
 
-    def timed(fn, weight: torch.Tensor, reps: int) -> float:
-        compiled = torch.compile(fn, dynamic=False)
+    def timed(compiled, weight: torch.Tensor, reps: int) -> float:
         with torch.inference_mode():
             return best_seconds(lambda: compiled(x, weight), reps)
 
-    overhead = timed(loop_matvec, (torch.randn(16, K) * 0.02).bfloat16(), 2000)
+    overhead = timed(torch.compile(loop_matvec, dynamic=False),
+                     (torch.randn(16, K) * 0.02).bfloat16(), 2000)
     print(f"one call on 16 rows (the call's own cost): {overhead * 1e6:.1f} us")
     routes = {"loop_matvec (16 lanes, shipped)": (loop_matvec, False),
               "8 lanes": (lanes(8), False), "32 lanes": (lanes(32), False),
@@ -80,12 +80,12 @@ def part_loop() -> None:
     for n, reps in ((9728, 200), (151936, 15)):
         weight = (torch.randn(n, K) * 0.02).bfloat16()
         move_to_huge_pages([weight])
+        reference = x @ weight.float().t()  # (1, N)
         for name, (fn, blocked) in routes.items():
             w = weight.view(n // 16, 16, K).transpose(1, 2).contiguous() if blocked else weight
-            reference = x @ weight.float().t()
-            out = torch.compile(fn, dynamic=False)(x, w)
-            assert float((out - reference).abs().max()) < 1e-3, name
-            seconds = timed(fn, w, reps) - overhead
+            compiled = torch.compile(fn, dynamic=False)
+            assert float((compiled(x, w) - reference).abs().max()) < 1e-3, name
+            seconds = timed(compiled, w, reps) - overhead
             print(f"N={n:6d} ({n * K * 2 / 1e6:5.1f} MB) {name:32s} {n * K * 2 / seconds / 1e9:5.1f} GB/s"
                   f"  {seconds * threads / n * 1e9:6.1f} ns of a core per row")
     plain = torch.ones(2**28)
