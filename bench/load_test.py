@@ -38,12 +38,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
-from typing_extensions import Self
 
 import minivllm
+
+if TYPE_CHECKING:  # an annotation only: nothing imports typing_extensions at run time
+    from typing_extensions import Self
 
 # Small on purpose: 64 blocks of 16 tokens hold ~12 of these sequences, so at concurrency 64
 # most requests wait for blocks (and some are preempted): back-pressure is exercised.

@@ -682,15 +682,33 @@ def flat_hidden(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tens
     return model.model.norm(after(last, x, out))
 
 
+def final_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The lm_head on a step's logits rows: (R, hidden) -> (R, V) float32, for
+    ``CompiledFlatStep.logits`` to compile."""
+    return model.compute_logits(hidden)
+
+
 class CompiledFlatStep:
     """Any step's flat batch (prompt chunks, decodes, or both: T new tokens) through the model
-    with the two halves of every layer compiled (``flat_hidden``); attention stays eager."""
+    with the two halves of every layer compiled (``flat_hidden``); attention stays eager. On
+    a CPU one row's logits are compiled too (``logits``)."""
 
     def __init__(self, model: nn.Module, attention: Callable[[AttentionMetadata], AttentionFn]):
         self.model = model
         self.attention = attention  # a step's metadata -> its attention function (notebook 06)
         self._before = compile_guarding_inputs(before_attention)
         self._after = compile_guarding_inputs(after_attention)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self._one_row_logits = compile_guarding_inputs(final_logits) if on_cpu else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) -> (R, V) float32. One row on a CPU through its compiled graph, whose
+        lm_head reads the plain weight through the one-row loop as the decode step's does (a
+        packed lm_head that kept one; otherwise the same kernel as eagerly); any other
+        number of rows eagerly: oneDNN's packed matmul either way."""
+        if self._one_row_logits is None or hidden.shape[0] != 1:
+            return self.model.compute_logits(hidden)
+        return self._one_row_logits(self.model, hidden)  # (1, V)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn,
                rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -703,16 +721,17 @@ class CompiledFlatStep:
     def warmup(self, block_size: int, scratch_block: int, device: torch.device) -> float:
         """Compile both graphs: one new token beside a 10-token chunk (T = 11, a size no other
         dimension has), every k/v written into the scratch block; then the last layer's
-        ``after`` for one row, a graph of its own (dynamo specialises a size of 1): a lone
-        prompt's step wants one row's logits."""
+        ``after`` for one row, a graph of its own (dynamo specialises a size of 1), and that
+        row's logits: a lone prompt's step wants one row's logits."""
         start = time.perf_counter()
         table = [scratch_block] * -(-10 // block_size)  # every block of both: the scratch block
         metadata = AttentionMetadata.build([table, table], [0, 0], [1, 10], block_size, device,
                                            pad_block=scratch_block)
         positions = torch.tensor([0, *range(10)], device=device)
         for rows in ([0, 10], [10]):  # two rows (the symbolic graph), then one
-            self.hidden(torch.zeros(11, dtype=torch.long, device=device), positions,
-                        self.attention(metadata), torch.tensor(rows, device=device))
+            hidden = self.hidden(torch.zeros(11, dtype=torch.long, device=device), positions,
+                                 self.attention(metadata), torch.tensor(rows, device=device))
+        self.logits(hidden)  # (1, hidden): the one-row logits graph
         seconds = time.perf_counter() - start
         logger.info("compile warm-up: the flat step (prefill and mixed batches): %.1f s", seconds)
         return seconds
@@ -1096,6 +1115,15 @@ class CompiledRunner(ModelRunner):
         if flat is None or input_ids.shape[0] < 2:
             return super().hidden_states(input_ids, positions, attn, rows)
         return flat.hidden(input_ids, positions, attn, rows)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of every step that is not a pure decode (notebook 03's ``forward``
+        calls this): through the compiled flat step once it is built (``CompiledFlatStep.logits``:
+        one row compiled, as the decode step's), notebook 03's way before that."""
+        flat = self._decoder.flat if self._decoder is not None else None  # swapped in by execute
+        if flat is None:
+            return super().compute_logits(hidden)
+        return flat.logits(hidden)
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """The compiled step's sampler: the logits processors beside the graph, eagerly, on

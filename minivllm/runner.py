@@ -184,7 +184,7 @@ class ModelRunner:
                                     self.attention_cls(self.pool, metadata), rows)  # (R, hidden)
         if not inputs.logits_rows:
             return hidden.new_zeros(0, self.model_config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden)  # (R, V)
+        return self.compute_logits(hidden)  # (R, V)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       attn: Callable, rows: torch.Tensor) -> torch.Tensor:
@@ -193,6 +193,11 @@ class ModelRunner:
         hidden), the rows whose logits the step wants. (Notebook 07's runner compiles the
         layers around ``attn`` here, and runs its last layer past attention for ``rows`` only.)"""
         return self.model(input_ids, positions, attn)[rows]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, hidden) final hidden states -> (R, V) float32 logits: the model's lm_head.
+        (Notebook 07's runner sends a lone row through its compiled one-row path here.)"""
+        return self.model.compute_logits(hidden)
 
     def record_prompt_logprobs(self, spans: list[tuple[Sequence, int, int]],
                                logits: torch.Tensor, out: RunnerOutput) -> None:

@@ -975,8 +975,8 @@ def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tin
     flat = CompiledFlatStep(model, lambda md: BatchedAttention(pool, md))
     graphs = counters["stats"]["unique_graphs"]
     flat.warmup(block_size, scratch, torch.device("cpu"))
-    # two graphs for all layers and the one-row rest of the last layer
-    assert mc.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] - graphs <= 3
+    # two graphs for all layers, the one-row rest of the last layer, one row's logits
+    assert mc.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] - graphs <= 4
     graphs = counters["stats"]["unique_graphs"]
     pool.kv.normal_()
     saved = pool.kv.clone()
@@ -1013,27 +1013,38 @@ def test_flat_step_is_two_graphs_for_all_layers_and_computes_the_eager_model(tin
     finally:
         flat._after = after
     assert counters["stats"]["unique_graphs"] == graphs, "a row count recompiled"
+    # the logits: one row through its compiled graph, more rows eagerly, the same numbers
+    with torch.inference_mode():
+        for rows in ([14], [0, 9, 14]):
+            torch.testing.assert_close(flat.logits(eager[rows]),
+                                       model.compute_logits(eager[rows]), **tolerance)
+    assert counters["stats"]["unique_graphs"] == graphs, "one row's logits recompiled"
 
 
 def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, random_engine_model):
     """Guards: EngineConfig.compile_flat_steps (and so --no-compile-flat-steps) not reaching
     the runner; a step of one token taking the flat graphs (dynamo would compile a graph of
-    its own for T = 1); prefill chunks through the flat step changing a greedy request."""
+    its own for T = 1); a lone prompt's one logits row not taking the compiled one-row
+    logits (``CompiledRunner.compute_logits``); prefill chunks through the flat step
+    changing a greedy request."""
     from torch._dynamo.utils import counters
 
     from minivllm.kv_cache import AttentionMetadata
 
     runner = compiled_random.engine.runner
     assert runner.decoder.flat is not None  # compile_flat_steps defaults to on
-    calls = []
-    flat_hidden = runner.decoder.flat.hidden
-    runner.decoder.flat.hidden = lambda *args: calls.append(len(args[0])) or flat_hidden(*args)
+    calls, logits_rows = [], []
+    flat = runner.decoder.flat
+    flat_hidden, one_row_logits = flat.hidden, flat._one_row_logits
+    flat.hidden = lambda *args: calls.append(len(args[0])) or flat_hidden(*args)
+    flat._one_row_logits = lambda m, h: logits_rows.append(len(h)) or one_row_logits(m, h)
     try:
         graphs = counters["stats"]["unique_graphs"]
         prompt = {"prompt_token_ids": [7, 70, 170, 270, 9, 33, 2, 5, 81, 401, 6, 77]}
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         tokens = compiled_random.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
         assert calls == [12], "the prompt's prefill did not take the flat step"
+        assert logits_rows == [1], "the prompt's one logits row did not take its compiled graph"
         md = AttentionMetadata.build([[0]], [3], [1], 8, "cpu", pad_block=runner.num_blocks)
         with torch.inference_mode():
             runner.hidden_states(torch.tensor([5]), torch.tensor([3]),
@@ -1041,7 +1052,7 @@ def test_the_engine_compiles_flat_steps_unless_asked_not_to(compiled_random, ran
         assert calls == [12], "a one-token step took the flat step"
         assert counters["stats"]["unique_graphs"] == graphs
     finally:
-        runner.decoder.flat.hidden = flat_hidden
+        flat.hidden, flat._one_row_logits = flat_hidden, one_row_logits
     off = LLM(str(random_engine_model), block_size=8, num_blocks=12, max_model_len=96,
               max_num_seqs=4, max_num_batched_tokens=24, compile=True,
               compile_in_background=False, compile_flat_steps=False)
