@@ -14,17 +14,23 @@ cores anything else running changes the answer):
   q/k/v shapes, in GFLOP/s: how near a batched step's linears run to the cores' peak.
 * ``step``: the compiled decode step as shipped at 32, 8 and 1 rows (context 160) against
   the same step with its attention left out (the pool still written, the queries handed on:
-  what no decode attention could save beyond) and against RoPE's cos/sin computed once a
-  step (``materialise``d: inductor otherwise recomputes them inside every layer's kernel);
-  compiled steps alternated step by step over one engine's pool.
+  what no decode attention could save beyond), against RoPE's cos/sin computed once a
+  step (``materialise``d: inductor otherwise recomputes them inside every layer's kernel),
+  against RoPE's cos/sin read from a table of every position (vLLM's ``cos_sin_cache``), and
+  against the gather and SDPA as one opaque op (eager inside the graph); compiled steps
+  alternated step by step over one engine's pool, the blocks of each row drawn at random.
+* ``logits``: a lone prompt's step (30 and 128 tokens, one logits row) with its logits
+  through the flat step's compiled one-row graph (``CompiledFlatStep.logits``, shipped)
+  against the eager packed lm_head, alternated, and the lm_head alone either way.
 
     python bench/experiments/step_ceilings.py --model checkpoints/qwen2.5-0.5b-random \\
-        --parts loop,gemm,step
+        --parts loop,gemm,step,logits
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -129,38 +135,109 @@ def part_step(model_path: str, pairs: int) -> None:
         cos, sin = rope_cos_sin(positions, head_dim, theta)
         return materialise(cos), materialise(sin)
 
+    config = engine.runner.model.config
+    table = torch.stack(rope_cos_sin(torch.arange(config.max_position_embeddings),
+                                     config.head_dim, config.rope_theta))  # (2, P, D)
+
+    def rope_from_table(positions, head_dim, theta):
+        return table[0][positions], table[1][positions]  # (T, D) each
+
+    def opaque_attention(self, layer_idx, q, k, v):  # the write inline, the rest one op
+        pool_write_only(self, layer_idx, q, k, v)
+        return gather_and_attend(self.kv, layer_idx, self.block_tables, q, self.mask,
+                                 self.block_size)
+
     attention = DecodeAttention.__call__
-    DecodeAttention.__call__ = pool_write_only
-    try:  # dynamo traces while these are swapped in: each variant is its own graph
-        no_attention = variant_decoder(engine, engine.runner.model)
-    finally:
-        DecodeAttention.__call__ = attention
-    model_module.rope_cos_sin = rope_once
-    try:
-        rope_computed_once = variant_decoder(engine, engine.runner.model)
-    finally:
-        model_module.rope_cos_sin = rope_cos_sin
-    sides = {"as shipped": shipped, "attention left out": no_attention,
-             "RoPE once a step": rope_computed_once}
+    variants = {"attention left out": (pool_write_only, rope_cos_sin),
+                "RoPE once a step": (attention, rope_once),
+                "RoPE from a table": (attention, rope_from_table),
+                "attention one opaque op": (opaque_attention, rope_cos_sin)}
+    sides = {"as shipped": shipped}
+    for name, (attend, rope) in variants.items():
+        DecodeAttention.__call__, model_module.rope_cos_sin = attend, rope
+        try:  # dynamo traces while these are swapped in: each variant is its own graph
+            sides[name] = variant_decoder(engine, engine.runner.model)
+        finally:
+            DecodeAttention.__call__, model_module.rope_cos_sin = attention, rope_cos_sin
     blocks = -(-160 // engine.config.block_size)
+    draw = random.Random(0)
     for rows in (32, 8, 1):
-        batch = DecodeInputs([5] * rows, [160] * rows, [list(range(blocks))] * rows)
+        tables = [draw.sample(range(engine.num_blocks), blocks) for _ in range(rows)]
+        batch = DecodeInputs([5] * rows, [160] * rows, tables)
         with torch.inference_mode():
-            same = torch.equal(shipped.logits(batch), rope_computed_once.logits(batch))
+            reference = shipped.logits(batch)
+            diffs = {name: float((side.logits(batch) - reference).abs().max())
+                     for name, side in sides.items() if name != "attention left out"}
             times = alternate(sides, lambda side, batch=batch: side.logits(batch), pairs)
         base = times["as shipped"]
         print(f"{rows}-row compiled step, context 160: " + "; ".join(
             f"{name} {statistics.median(t) * 1e3:.1f} ms"
             + ("" if name == "as shipped" else
                f" ({statistics.median([a / b for a, b in zip(t, base)]):.3f}x by pair)")
-            for name, t in times.items()) + f"; RoPE once gives the same logits: {same}")
+            for name, t in times.items()))
+        print("  largest logit difference from the shipped step: " + ", ".join(
+            f"{name} {d:.1e}" for name, d in diffs.items() if name != "as shipped"))
+
+
+@torch.library.custom_op("step_ceilings::gather_and_attend", mutates_args=())
+def gather_and_attend(kv: torch.Tensor, layer_idx: int, block_tables: torch.Tensor,
+                      q: torch.Tensor, mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """DecodeAttention's gather and SDPA, eagerly, as one op inductor calls as it is."""
+    from minivllm.attention import attend_decode, gather_blocks
+
+    keys = gather_blocks(kv[0, layer_idx], block_tables, block_size)  # (B, n_kv, K, D)
+    values = gather_blocks(kv[1, layer_idx], block_tables, block_size)
+    return attend_decode(q.unsqueeze(1), keys, values, mask).squeeze(1)  # (B, H, D)
+
+
+@gather_and_attend.register_fake
+def _gather_and_attend_shape(kv, layer_idx, block_tables, q, mask, block_size):
+    return torch.empty_like(q)
+
+
+def part_logits(model_path: str, pairs: int) -> None:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(model_path, compile_in_background=False)
+    flat = llm.engine.runner.decoder.flat
+    compiled_logits = flat._one_row_logits
+    hidden = torch.randn(1, llm.engine.model_config.hidden_size)
+    model = llm.engine.runner.model
+    with torch.inference_mode():
+        eager = model.compute_logits(hidden)
+        difference = float((flat.logits(hidden) - eager).abs().max())
+        times = alternate({"compiled one row (shipped)": lambda: flat.logits(hidden),
+                           "eager packed": lambda: model.compute_logits(hidden)},
+                          lambda side: side(), pairs * 2)
+    print("the lm_head on one row: " + "; ".join(
+        f"{name} {statistics.median(t) * 1e3:.2f} ms" for name, t in times.items())
+        + f"; largest logit difference {difference:.1e}")
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    draw = random.Random(0)
+    sides = {"compiled one row (shipped)": compiled_logits, "eager packed": None}
+
+    def lone_prompt(side, n: int) -> None:  # one step: the prefill and its one logits row
+        flat._one_row_logits = side
+        prompt = {"prompt_token_ids": [draw.randrange(1000, 100000) for _ in range(n)]}
+        llm.generate(prompt, params, use_tqdm=False)
+
+    try:
+        for n in (30, 128):
+            times = alternate(sides, lambda side, n=n: lone_prompt(side, n), pairs)
+            base = times["eager packed"]
+            print(f"a lone {n}-token prompt's step: " + "; ".join(
+                f"{name} {statistics.median(t) * 1e3:.1f} ms" for name, t in times.items())
+                + f"; shipped - eager by pair "
+                  f"{statistics.median([a - b for a, b in zip(times[next(iter(sides))], base)]) * 1e3:+.1f} ms")
+    finally:
+        flat._one_row_logits = compiled_logits
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="checkpoints/qwen2.5-0.5b-random")
-    p.add_argument("--parts", default="loop,gemm,step")
-    p.add_argument("--pairs", type=int, default=16, help="step: timed steps of each side")
+    p.add_argument("--parts", default="loop,gemm,step,logits")
+    p.add_argument("--pairs", type=int, default=16, help="step, logits: timed steps of each side")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
@@ -171,6 +248,8 @@ def main() -> None:
             part_gemm()
         elif part == "step":
             part_step(args.model, args.pairs)
+        elif part == "logits":
+            part_logits(args.model, args.pairs)
         else:
             raise SystemExit(f"unknown part {part!r}")
 
