@@ -598,11 +598,12 @@ def run_worker(rank: int, world_size: int, model_path: str, dtype: str, device: 
 class WorkerRunner:
     """A worker rank's side of the runner: its shard, a KV pool of its own KV heads, rank 0's
     attention backend (by name, from the config) — and ``ModelRunner``'s own ``forward``
-    (with its ``hidden_states``) and ``zero_blocks``, so every rank runs exactly the step
-    rank 0 runs."""
+    (with its ``hidden_states`` and ``compute_logits``) and ``zero_blocks``, so every rank
+    runs exactly the step rank 0 runs."""
 
     forward = ModelRunner.forward
     hidden_states = ModelRunner.hidden_states
+    compute_logits = ModelRunner.compute_logits
     zero_blocks = ModelRunner.zero_blocks
 
     def __init__(self, config: EngineConfig, model: QwenForCausalLM, device: torch.device):
