@@ -1111,7 +1111,7 @@ class CompiledRunner(ModelRunner):
         compiled flat step once it is built (its last layer past attention for ``rows``
         only), the eager model before that, without ``compile_flat_steps``, and for a step of
         one token (a graph of its own for T = 1)."""
-        flat = self._decoder.flat if self._decoder is not None else None  # swapped in by execute
+        flat = self._flat_step
         if flat is None or input_ids.shape[0] < 2:
             return super().hidden_states(input_ids, positions, attn, rows)
         return flat.hidden(input_ids, positions, attn, rows)
@@ -1120,10 +1120,16 @@ class CompiledRunner(ModelRunner):
         """The logits of every step that is not a pure decode (notebook 03's ``forward``
         calls this): through the compiled flat step once it is built (``CompiledFlatStep.logits``:
         one row compiled, as the decode step's), notebook 03's way before that."""
-        flat = self._decoder.flat if self._decoder is not None else None  # swapped in by execute
+        flat = self._flat_step
         if flat is None:
             return super().compute_logits(hidden)
         return flat.logits(hidden)
+
+    @property
+    def _flat_step(self) -> CompiledFlatStep | None:
+        """The compiled flat step, once ``execute`` has swapped the compiled decoder in (None
+        before that, or without ``compile_flat_steps``)."""
+        return self._decoder.flat if self._decoder is not None else None
 
     def _sample_compiled(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """The compiled step's sampler: the logits processors beside the graph, eagerly, on
