@@ -233,6 +233,10 @@ PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a
 # whose weights are bf16 numbers: narrow_plain_weights): one vector register of them, two of
 # float32 once widened. Measured with 16 on AVX2; 32 on AVX-512 is the same shape, unmeasured.
 BF16_WEIGHT_LANES = 2 * FLOAT32_LANES
+# A float32 decode step of up to this many rows reads its linears' plain weights through
+# inductor's loop, one loop a row fused into one pass over each weight (CompiledDecoder pads
+# 2-4 rows to 4); from 8 rows on oneDNN's packed kernel is as fast (issue 30, twenty-second part)
+LOOP_MAX_ROWS = 4
 
 
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -449,9 +453,13 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            if self.weight is not None and x.dim() == 2 and x.shape[0] == 1:
-                out = loop_matvec(x, self.weight)  # (1, out): inductor's loop, plain weight
-                return out if self.bias is None else out + self.bias
+            rows = x.shape[0] if x.dim() == 2 else None  # an int where the graph's is static
+            if self.weight is not None and isinstance(rows, int) and rows <= LOOP_MAX_ROWS:
+                # One row, or a few-rows graph's (CompiledDecoder): inductor's loop over the
+                # plain weight for each row; it fuses the rows' loops into one pass over it
+                out = (loop_matvec(x, self.weight) if rows == 1 else
+                       torch.cat([loop_matvec(x[i:i + 1], self.weight) for i in range(rows)]))
+                return out if self.bias is None else out + self.bias  # (rows, out)
             # (..., out): one opaque kernel for inductor
             return packed_linear(x, self.handle_tensor, self.out_features, self.bias)
         # Eagerly, the op itself: a custom op's first eager call imports torch._dynamo, and
@@ -745,7 +753,7 @@ class CompiledDecoder:
                  scratch_block: int, device: torch.device, single_row_matvec: bool = True,
                  matvec_kernel: str = "auto",
                  flat_attention: Callable[[AttentionMetadata], AttentionFn] | None = None,
-                 cpp_wrapper: bool = True):
+                 cpp_wrapper: bool = True, few_rows_loop: bool = True):
         self.model, self.kv, self.block_size = model, kv, block_size
         self.flat = CompiledFlatStep(model, flat_attention) if flat_attention else None
         self.scratch_block = scratch_block
@@ -781,6 +789,18 @@ class CompiledDecoder:
         self.cpp_wrapper = cpp_wrapper and not self.on_cuda
         self._logits = compile_guarding_inputs(decode_logits, mode=mode,
                                                cpp_wrapper=self.cpp_wrapper)
+        # A float32 batch of 2..LOOP_MAX_ROWS rows where the packed linears kept their plain
+        # weights: padded to LOOP_MAX_ROWS rows, through a graph of its own whose row count is
+        # static, so that each row takes the one-row loop (PackedLinear): at 2-4 rows oneDNN's
+        # kernel runs far below its rate, and the loop reads each weight once for all rows.
+        self.loop_rows = (LOOP_MAX_ROWS if few_rows_loop and self.plain_weight_linears
+                          and not self.on_cuda and kv.dtype == torch.float32 else 1)
+        if self.loop_rows > 1:
+            self._many_rows = self._logits
+            # static at first, then (a second table width) dynamic in the width alone
+            self._few_rows = compile_guarding_inputs(decode_logits, dynamic=None,
+                                                     cpp_wrapper=self.cpp_wrapper)
+            self._logits = self._few_or_many_rows
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
 
@@ -799,6 +819,21 @@ class CompiledDecoder:
                               as_tensor(batch.seq_lens + [1] * (padded_rows - rows)),
                               as_tensor(tables), self.block_size)
         return logits[:rows]
+
+    def _few_or_many_rows(self, model: nn.Module, kv: torch.Tensor, input_ids: torch.Tensor,
+                          seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+        """``decode_logits`` compiled: 2..loop_rows rows padded to loop_rows (padding rows as
+        ``logits`` pads: the scratch block, a seq_len of 1) through the few-rows graph, any
+        other count through the other graphs. (B,) ids, (B,) lens, (B, NB) tables -> (B, V)."""
+        rows = input_ids.shape[0]
+        if not 1 < rows <= self.loop_rows:
+            return self._many_rows(model, kv, input_ids, seq_lens, block_tables, block_size)
+        pad = self.loop_rows - rows
+        tables = torch.cat([block_tables, block_tables.new_full((pad, block_tables.shape[1]),
+                                                                self.scratch_block)])
+        return self._few_rows(model, kv, F.pad(input_ids, (0, pad)),
+                              F.pad(seq_lens, (0, pad), value=1), tables, block_size)[:rows]
 
     def sample(self, logits: torch.Tensor, params: list, noise: torch.Tensor) -> torch.Tensor:
         """Tokens for (B, V) logits with (B, V) exponential noise drawn by the caller."""
@@ -823,10 +858,14 @@ class CompiledDecoder:
     @torch.inference_mode()  # the engine decodes in inference mode: compile for that mode
     def warmup(self, vocab_size: int) -> float:
         """Compile every graph up front: batch 1 (its own graph on CPU) at two table widths,
-        then batch shapes 2 and 3, which make the sizes dynamic; then the flat step's two."""
+        the few-rows graph (``loop_rows``) likewise, then two larger batch shapes, which make
+        the sizes dynamic; then the flat step's two."""
         start = time.perf_counter()
         shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
-        for rows, width in [*shapes, (2, 2), (3, 3)]:
+        if self.loop_rows > 1:
+            shapes += [(self.loop_rows, 2), (self.loop_rows, 3)]
+        many = self.loop_rows + 1
+        for rows, width in [*shapes, (many, 2), (many + 1, 3)]:
             shape_start = time.perf_counter()
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
             logits = self.logits(batch)
@@ -835,8 +874,10 @@ class CompiledDecoder:
                 self.sample(logits, [params] * rows, noise)
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
-            logger.info("compile warm-up: batch %d%s, block table %d: %.1f s", rows,
-                        "" if rows == 1 else "+ (dynamic)", width, time.perf_counter() - shape_start)
+            what = ("1" if rows == 1 else f"2-{rows} (padded to {rows})" if rows == self.loop_rows
+                    else f"{rows}+ (dynamic)")
+            logger.info("compile warm-up: batch %s, block table %d: %.1f s", what, width,
+                        time.perf_counter() - shape_start)
         if self.flat is not None:
             self.flat.warmup(self.block_size, self.scratch_block, self.device)
         self.compile_seconds = time.perf_counter() - start
@@ -865,11 +906,11 @@ def try_compile(model: torch.nn.Module, kv: torch.Tensor, block_size: int, scrat
                 device: torch.device, vocab_size: int, single_row_matvec: bool = True,
                 matvec_kernel: str = "auto",
                 flat_attention: Callable[[AttentionMetadata], AttentionFn] | None = None,
-                cpp_wrapper: bool = True) -> CompiledDecoder | None:
+                cpp_wrapper: bool = True, few_rows_loop: bool = True) -> CompiledDecoder | None:
     """A warmed-up CompiledDecoder, or None (with one clear warning) where compiling fails."""
     try:
         decoder = CompiledDecoder(model, kv, block_size, scratch_block, device, single_row_matvec,
-                                  matvec_kernel, flat_attention, cpp_wrapper)
+                                  matvec_kernel, flat_attention, cpp_wrapper, few_rows_loop)
         decoder.warmup(vocab_size)
         return decoder
     except Exception as exc:  # noqa: BLE001 (any failure to compile means: run eager)
@@ -975,7 +1016,8 @@ class CompiledRunner(ModelRunner):
                                         single_row_matvec=config.single_row_matvec,
                                         matvec_kernel=config.matvec_kernel,
                                         flat_attention=self._flat_attention(),
-                                        cpp_wrapper=config.compile_cpp_wrapper)
+                                        cpp_wrapper=config.compile_cpp_wrapper,
+                                        few_rows_loop=config.few_rows_loop)
             if self._decoder is not None:
                 self.compile_seconds = self.compiled_after_s = self._decoder.compile_seconds
 
@@ -1035,7 +1077,7 @@ class CompiledRunner(ModelRunner):
         c = self.config
         return CompiledDecoder(self.model, self.pool.kv, c.block_size, self.num_blocks,
                                self.device, c.single_row_matvec, c.matvec_kernel,
-                               self._flat_attention(), c.compile_cpp_wrapper)
+                               self._flat_attention(), c.compile_cpp_wrapper, c.few_rows_loop)
 
     def _flat_attention(self) -> Callable[[AttentionMetadata], AttentionFn] | None:
         """What the flat step attends with (notebook 06's backend over this pool), or None

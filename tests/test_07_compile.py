@@ -841,12 +841,15 @@ def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_onednn_bf16), "float32"])
 def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model, dtype):
     """Guards, end to end: the engine's compiled one-row decode graph reading the packed
-    weights although the plain ones were kept (or its loop reading an unmaterialised input),
-    the 2-row graph leaving the packed weights, and the compiled one-row logits differing from
-    the eager ones. Counted with the profiler: ``materialise`` runs once per linear."""
+    weights although the plain ones were kept (or its loop reading an unmaterialised input);
+    in float32, a batch of 2..LOOP_MAX_ROWS rows not padded into the few-rows graph or its
+    rows not each taking the loop, and a larger batch leaving the packed weights; in bf16
+    (not measured there) any batch of 2+ rows taking the loop; the compiled logits of 1, 2,
+    3, LOOP_MAX_ROWS and one more rows differing from the eager ones. Counted with the
+    profiler: ``materialise`` runs once per linear and row."""
     from torch.profiler import ProfilerActivity, profile
 
-    from minivllm.compile import DecodeInputs, PackedLinear, decode_logits
+    from minivllm.compile import LOOP_MAX_ROWS, DecodeInputs, PackedLinear, decode_logits
 
     llm = LLM(str(tiny_model), dtype=dtype, block_size=8, num_blocks=12, max_model_len=96,
               compile=True, compile_in_background=False, compile_flat_steps=False,
@@ -864,16 +867,25 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
             runner.decoder.logits(batch)
         return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
 
+    few = runner.decoder.loop_rows
+    assert few == (LOOP_MAX_ROWS if dtype == "float32" else 1)
     assert materialise_calls(1) == linears
-    assert materialise_calls(2) == 0
-    with torch.inference_mode():
-        ids, lens, tables = (torch.tensor(v) for v in ([5], [20], [[0, 1, 2]]))
-        eager = decode_logits(runner.model, runner.pool.kv, ids, lens, tables, 8)
-        compiled = runner.decoder.logits(DecodeInputs([5], [20], [[0, 1, 2]]))
+    if few > 1:  # 2..few rows padded to few, every row through the loop
+        assert materialise_calls(2) == materialise_calls(few) == few * linears
+    assert materialise_calls(few + 1) == 0
     # bf16 logits: a unit in the last place is 1/16 at |logit| 8-16, and the graph rounds
     # its intermediates in other places than the eager model does; float32 sums in another order
     tolerance = 2e-2 if dtype == "bfloat16" else 1e-4
-    torch.testing.assert_close(compiled, eager, rtol=tolerance, atol=tolerance)
+    for rows in sorted({1, 2, 3, few, few + 1}):
+        batch = DecodeInputs([5 + 11 * r for r in range(rows)], [20 - r for r in range(rows)],
+                             [[r % 3, 3 + r % 2, 5] for r in range(rows)])
+        with torch.inference_mode():
+            eager = decode_logits(runner.model, runner.pool.kv,
+                                  *(torch.tensor(v) for v in (batch.input_ids, batch.seq_lens,
+                                                              batch.block_tables)), 8)
+            compiled = runner.decoder.logits(batch)
+        assert compiled.shape == eager.shape == (rows, eager.shape[1])
+        torch.testing.assert_close(compiled, eager, rtol=tolerance, atol=tolerance)
 
 
 @needs_onednn_bf16

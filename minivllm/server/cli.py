@@ -83,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "plain weights for it: +0.67 GiB on the 0.5B model in bf16, +1.33 "
                         "GiB in float32, +0.67 where its numbers are bf16 ones, held in bf16, "
                         "the embedding too)")
+    p.add_argument("--few-rows-loop", action=argparse.BooleanOptionalAction,
+                   default=engine.few_rows_loop,
+                   help="with --single-row-matvec, a compiled float32 CPU decode of 2-4 rows "
+                        "runs every row through that loop too, padded to 4 rows: one more "
+                        "graph to compile (notebook 07)")
     p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
                    choices=["auto", *MATVEC_KERNELS],
                    help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
@@ -137,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "compile_flat_steps": args.compile_flat_steps,
         "compile_cpp_wrapper": args.compile_cpp_wrapper,
         "single_row_matvec": args.single_row_matvec, "matvec_kernel": args.matvec_kernel,
+        "few_rows_loop": args.few_rows_loop,
         "merge_projections": args.merge_projections,
         "pack_linear_weights": args.pack_linear_weights,
         "speculative_config": args.speculative_config,
