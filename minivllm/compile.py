@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from minivllm.attention import attend_decode, gather_blocks
 from minivllm.config import MATVEC_KERNELS, cpu_flags, release_freed_memory
@@ -453,8 +454,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            rows = x.shape[0] if x.dim() == 2 else None  # an int where the graph's is static
-            if self.weight is not None and isinstance(rows, int) and rows <= LOOP_MAX_ROWS:
+            rows = x.shape[0] if x.dim() == 2 else None
+            # a static row count alone (a symbolic one is never compared: that would guard it)
+            if (self.weight is not None and rows is not None
+                    and statically_known_true(rows <= LOOP_MAX_ROWS)):
                 # One row, or a few-rows graph's (CompiledDecoder): inductor's loop over the
                 # plain weight for each row; it fuses the rows' loops into one pass over it
                 out = (loop_matvec(x, self.weight) if rows == 1 else
@@ -797,9 +800,8 @@ class CompiledDecoder:
                           and not self.on_cuda and kv.dtype == torch.float32 else 1)
         if self.loop_rows > 1:
             self._many_rows = self._logits
-            # static at first, then (a second table width) dynamic in the width alone
-            self._few_rows = compile_guarding_inputs(decode_logits, dynamic=None,
-                                                     cpp_wrapper=self.cpp_wrapper)
+            # its inputs' row dimension marked static (_few_or_many_rows); the rest dynamic
+            self._few_rows = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
             self._logits = self._few_or_many_rows
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
@@ -830,10 +832,12 @@ class CompiledDecoder:
         if not 1 < rows <= self.loop_rows:
             return self._many_rows(model, kv, input_ids, seq_lens, block_tables, block_size)
         pad = self.loop_rows - rows
-        tables = torch.cat([block_tables, block_tables.new_full((pad, block_tables.shape[1]),
-                                                                self.scratch_block)])
-        return self._few_rows(model, kv, F.pad(input_ids, (0, pad)),
-                              F.pad(seq_lens, (0, pad), value=1), tables, block_size)[:rows]
+        inputs = (F.pad(input_ids, (0, pad)), F.pad(seq_lens, (0, pad), value=1),
+                  torch.cat([block_tables, block_tables.new_full((pad, block_tables.shape[1]),
+                                                                 self.scratch_block)]))
+        for t in inputs:  # the row count a constant of the graph: PackedLinear's loop per row
+            torch._dynamo.mark_static(t, 0)
+        return self._few_rows(model, kv, *inputs, block_size)[:rows]
 
     def sample(self, logits: torch.Tensor, params: list, noise: torch.Tensor) -> torch.Tensor:
         """Tokens for (B, V) logits with (B, V) exponential noise drawn by the caller."""

@@ -30,6 +30,10 @@ process (run it alone; on 2 cores anything else running changes the answer):
 * ``narrow``: a float32 engine as shipped, whose one-row loop reads bf16 copies of weights
   that are bf16 numbers, against one keeping float32 copies; compiled steps alternated at 1
   and 8 rows (issue 30, eighteenth part, the Zen 3).
+* ``few``: a float32 engine as shipped, whose decode batches of 2-4 rows go through the
+  few-rows graph (every row through the loop), against a decoder of the same model with
+  ``few_rows_loop`` off; compiled steps alternated at 2, 3, 4 and 8 rows (issue 30,
+  twenty-second part, the Zen 3).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -215,6 +219,21 @@ def variant_decoder(engine, model: torch.nn.Module):
     return variant
 
 
+def part_few(model_path: str, pairs: int) -> None:
+    """Decode steps of 2, 3, 4 and 8 rows as shipped (a float32 batch of 2-4 rows padded to 4
+    through the few-rows graph, every row through the loop) against a decoder of the same
+    model and pool with ``few_rows_loop`` off (oneDNN's packed kernel), alternated."""
+    from minivllm import LLM
+    from minivllm.compile import CompiledDecoder
+
+    engine = LLM(model_path, compile_in_background=False).engine
+    packed = CompiledDecoder(engine.runner.model, engine.runner.pool.kv, engine.config.block_size,
+                             engine.num_blocks, engine.device, few_rows_loop=False)
+    packed.warmup(engine.model_config.vocab_size)
+    for rows in (2, 3, 4, 8):
+        compare_one_row_steps({"packed": packed, "as shipped": engine.runner.decoder}, pairs, rows)
+
+
 # The engines compared by ``shipped`` and ``engine``: EngineConfig options by name
 ENGINES = {"as shipped": {},
            "packed only": {"single_row_matvec": False},
@@ -374,6 +393,8 @@ def main() -> None:
             part_wide(args.model, args.pairs)
         elif part == "narrow":
             part_narrow(args.model, args.pairs)
+        elif part == "few":
+            part_few(args.model, args.pairs)
         elif part == "engine":
             part_engine(args.model, max(2, args.pairs // 4))
         elif part == "fusion":
