@@ -430,7 +430,8 @@ class PackedLinear(nn.Module):
     lm_head's, stays with the module it is shared with) unless ``keep_plain_weight``: then
     ``weight`` keeps it, and a compiled one-row step reads it through inductor's loop
     (``loop_matvec``), which streams a bf16 or float32 weight faster than oneDNN on CPUs
-    without AMX. A float32 one may later become a bf16 copy of itself, the same numbers
+    without AMX; so does each row of a graph whose row count is a constant of at most
+    ``LOOP_MAX_ROWS`` (``CompiledDecoder``'s few-rows graph). A float32 one may later become a bf16 copy of itself, the same numbers
     (``narrow_plain_weights``)."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
@@ -879,7 +880,7 @@ class CompiledDecoder:
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
             what = ("1" if rows == 1 else f"2-{rows} (padded to {rows})" if rows == self.loop_rows
-                    else f"{rows}+ (dynamic)")
+                    else f"{many}+ (dynamic)")
             logger.info("compile warm-up: batch %s, block table %d: %.1f s", what, width,
                         time.perf_counter() - shape_start)
         if self.flat is not None:
