@@ -431,8 +431,8 @@ class PackedLinear(nn.Module):
     ``weight`` keeps it, and a compiled one-row step reads it through inductor's loop
     (``loop_matvec``), which streams a bf16 or float32 weight faster than oneDNN on CPUs
     without AMX; so does each row of a graph whose row count is a constant of at most
-    ``LOOP_MAX_ROWS`` (``CompiledDecoder``'s few-rows graph). A float32 one may later become a bf16 copy of itself, the same numbers
-    (``narrow_plain_weights``)."""
+    ``LOOP_MAX_ROWS`` (``CompiledDecoder``'s few-rows graph). A float32 one may later become
+    a bf16 copy of itself, the same numbers (``narrow_plain_weights``)."""
 
     ROWS_HINT = 32  # the batch oneDNN blocks the layout for; measured: it changes little
 

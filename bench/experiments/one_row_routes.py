@@ -209,12 +209,13 @@ def compare_one_row_steps(sides: dict, pairs: int, rows: int = 1) -> None:
         + f"; per pair {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})")
 
 
-def variant_decoder(engine, model: torch.nn.Module):
-    """``model`` compiled the way the engine compiles its own, over the engine's pool."""
+def variant_decoder(engine, model: torch.nn.Module, **options):
+    """``model`` compiled the way the engine compiles its own, over the engine's pool
+    (``options``: ``CompiledDecoder``'s keyword arguments, e.g. ``few_rows_loop=False``)."""
     from minivllm.compile import CompiledDecoder
 
     variant = CompiledDecoder(model, engine.runner.pool.kv, engine.config.block_size,
-                              engine.num_blocks, engine.device)
+                              engine.num_blocks, engine.device, **options)
     variant.warmup(engine.model_config.vocab_size)
     return variant
 
@@ -224,12 +225,9 @@ def part_few(model_path: str, pairs: int) -> None:
     through the few-rows graph, every row through the loop) against a decoder of the same
     model and pool with ``few_rows_loop`` off (oneDNN's packed kernel), alternated."""
     from minivllm import LLM
-    from minivllm.compile import CompiledDecoder
 
     engine = LLM(model_path, compile_in_background=False).engine
-    packed = CompiledDecoder(engine.runner.model, engine.runner.pool.kv, engine.config.block_size,
-                             engine.num_blocks, engine.device, few_rows_loop=False)
-    packed.warmup(engine.model_config.vocab_size)
+    packed = variant_decoder(engine, engine.runner.model, few_rows_loop=False)
     for rows in (2, 3, 4, 8):
         compare_one_row_steps({"packed": packed, "as shipped": engine.runner.decoder}, pairs, rows)
 
