@@ -235,9 +235,13 @@ PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a
 # float32 once widened. Measured with 16 on AVX2; 32 on AVX-512 is the same shape, unmeasured.
 BF16_WEIGHT_LANES = 2 * FLOAT32_LANES
 # A float32 decode step of up to this many rows reads its linears' plain weights through
-# inductor's loop, one loop a row fused into one pass over each weight (CompiledDecoder pads
-# 2-4 rows to 4); from 8 rows on oneDNN's packed kernel is as fast (issue 30, twenty-second part)
+# inductor's loop, one loop a row fused into one pass over each weight; from 8 rows on oneDNN's
+# packed kernel is as fast, at 5-6 a loop of 6 rows wins but its graph takes 11 minutes to
+# build (issue 30, twenty-second and twenty-third parts)
 LOOP_MAX_ROWS = 4
+# The row counts of CompiledDecoder's few-rows graphs: 2 rows as they are, 3-4 padded to 4 (a
+# 2-row step padded to 4 took 69 ms, unpadded 53, on a Zen 3)
+FEW_ROWS_BUCKETS = (2, LOOP_MAX_ROWS)
 
 
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -794,14 +798,15 @@ class CompiledDecoder:
         self._logits = compile_guarding_inputs(decode_logits, mode=mode,
                                                cpp_wrapper=self.cpp_wrapper)
         # A float32 batch of 2..LOOP_MAX_ROWS rows where the packed linears kept their plain
-        # weights: padded to LOOP_MAX_ROWS rows, through a graph of its own whose row count is
+        # weights: padded to the next of FEW_ROWS_BUCKETS, through a graph of that row count,
         # static, so that each row takes the one-row loop (PackedLinear): at 2-4 rows oneDNN's
         # kernel runs far below its rate, and the loop reads each weight once for all rows.
-        self.loop_rows = (LOOP_MAX_ROWS if few_rows_loop and self.plain_weight_linears
-                          and not self.on_cuda and kv.dtype == torch.float32 else 1)
-        if self.loop_rows > 1:
+        self.few_rows_buckets = (FEW_ROWS_BUCKETS if few_rows_loop and self.plain_weight_linears
+                                 and not self.on_cuda and kv.dtype == torch.float32 else ())
+        if self.few_rows_buckets:
             self._many_rows = self._logits
-            # its inputs' row dimension marked static (_few_or_many_rows); the rest dynamic
+            # one graph per bucket: its inputs' row dimension marked static
+            # (_few_or_many_rows), the rest dynamic
             self._few_rows = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
             self._logits = self._few_or_many_rows
         self._sample = torch.compile(sample_logits, dynamic=True)
@@ -826,13 +831,15 @@ class CompiledDecoder:
     def _few_or_many_rows(self, model: nn.Module, kv: torch.Tensor, input_ids: torch.Tensor,
                           seq_lens: torch.Tensor, block_tables: torch.Tensor,
                           block_size: int) -> torch.Tensor:
-        """``decode_logits`` compiled: 2..loop_rows rows padded to loop_rows (padding rows as
-        ``logits`` pads: the scratch block, a seq_len of 1) through the few-rows graph, any
-        other count through the other graphs. (B,) ids, (B,) lens, (B, NB) tables -> (B, V)."""
+        """``decode_logits`` compiled: 2..LOOP_MAX_ROWS rows padded to the next of
+        ``few_rows_buckets`` (padding rows as ``logits`` pads: the scratch block, a seq_len of
+        1) through that bucket's few-rows graph, any other count through the other graphs.
+        (B,) ids, (B,) lens, (B, NB) tables -> (B, V)."""
         rows = input_ids.shape[0]
-        if not 1 < rows <= self.loop_rows:
+        padded = next((b for b in self.few_rows_buckets if rows <= b), None)
+        if rows == 1 or padded is None:
             return self._many_rows(model, kv, input_ids, seq_lens, block_tables, block_size)
-        pad = self.loop_rows - rows
+        pad = padded - rows
         inputs = (F.pad(input_ids, (0, pad)), F.pad(seq_lens, (0, pad), value=1),
                   torch.cat([block_tables, block_tables.new_full((pad, block_tables.shape[1]),
                                                                  self.scratch_block)]))
@@ -863,13 +870,12 @@ class CompiledDecoder:
     @torch.inference_mode()  # the engine decodes in inference mode: compile for that mode
     def warmup(self, vocab_size: int) -> float:
         """Compile every graph up front: batch 1 (its own graph on CPU) at two table widths,
-        the few-rows graph (``loop_rows``) likewise, then two larger batch shapes, which make
-        the sizes dynamic; then the flat step's two."""
+        each few-rows graph (``few_rows_buckets``) likewise, then two larger batch shapes, which
+        make the sizes dynamic; then the flat step's two."""
         start = time.perf_counter()
         shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
-        if self.loop_rows > 1:
-            shapes += [(self.loop_rows, 2), (self.loop_rows, 3)]
-        many = self.loop_rows + 1
+        shapes += [(rows, width) for rows in self.few_rows_buckets for width in (2, 3)]
+        many = max(self.few_rows_buckets, default=1) + 1
         for rows, width in [*shapes, (many, 2), (many + 1, 3)]:
             shape_start = time.perf_counter()
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
@@ -879,8 +885,11 @@ class CompiledDecoder:
                 self.sample(logits, [params] * rows, noise)
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
-            what = ("1" if rows == 1 else f"2-{rows} (padded to {rows})" if rows == self.loop_rows
-                    else f"{many}+ (dynamic)")
+            if rows == 1 or rows >= many:
+                what = "1" if rows == 1 else f"{many}+ (dynamic)"
+            else:  # a few-rows bucket: the row counts it takes
+                low = max(b for b in (1, *self.few_rows_buckets) if b < rows) + 1
+                what = f"{rows}" if low == rows else f"{low}-{rows} (padded to {rows})"
             logger.info("compile warm-up: batch %s, block table %d: %.1f s", what, width,
                         time.perf_counter() - shape_start)
         if self.flat is not None:

@@ -77,9 +77,9 @@ def test_compiled_m1_parity_on_the_bundled_model(tiny_model, caplog):
     # the warm-up says what it is doing, shape by shape (a first start compiles for a minute)
     warmups = [r.getMessage() for r in caplog.records if "compile warm-up: batch" in r.getMessage()]
     # batch 1 and the larger batches at two table widths each; in float32 on a CPU whose
-    # packed linears kept their plain weights, the few-rows graph (2-4 rows) too
-    few_rows = llm.engine.runner.decoder.loop_rows > 1
-    assert len(warmups) == (6 if few_rows else 4)
+    # packed linears kept their plain weights, each few-rows graph (2 rows, 3-4 rows) too
+    buckets = llm.engine.runner.decoder.few_rows_buckets
+    assert len(warmups) == 4 + 2 * len(buckets)
     assert warmups[0].startswith("compile warm-up: batch 1,")
     assert any(r.getMessage().startswith("compiled the decode step in ") for r in caplog.records)
     tok = llm.get_tokenizer()
@@ -856,11 +856,11 @@ def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
 def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model, dtype):
     """Guards, end to end: the engine's compiled one-row decode graph reading the packed
     weights although the plain ones were kept (or its loop reading an unmaterialised input);
-    in float32, a batch of 2..LOOP_MAX_ROWS rows not padded into the few-rows graph or its
-    rows not each taking the loop, and a larger batch leaving the packed weights; in bf16
-    (not measured there) any batch of 2+ rows taking the loop; the compiled logits of 1, 2,
-    3, LOOP_MAX_ROWS and one more rows differing from the eager ones. Counted with the
-    profiler: ``materialise`` runs once per linear and row."""
+    in float32, a batch of 2 rows padded (it has a graph of its own), one of 3..LOOP_MAX_ROWS
+    not padded to LOOP_MAX_ROWS, their rows not each taking the loop, and a larger batch
+    leaving the packed weights; in bf16 (not measured there) any batch of 2+ rows taking the
+    loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones.
+    Counted with the profiler: ``materialise`` runs once per linear and row."""
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import LOOP_MAX_ROWS, DecodeInputs, PackedLinear, decode_logits
@@ -881,16 +881,19 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
             runner.decoder.logits(batch)
         return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
 
-    few = runner.decoder.loop_rows
-    assert few == (LOOP_MAX_ROWS if dtype == "float32" else 1)
+    buckets = runner.decoder.few_rows_buckets
+    assert buckets == ((2, LOOP_MAX_ROWS) if dtype == "float32" else ())
     assert materialise_calls(1) == linears
-    if few > 1:  # 2..few rows padded to few, every row through the loop
-        assert materialise_calls(2) == materialise_calls(few) == few * linears
-    assert materialise_calls(few + 1) == 0
+    # float32: 2 rows as they are, 3..LOOP_MAX_ROWS padded to LOOP_MAX_ROWS, every row
+    # through the loop; more rows (and bf16's 2+) through the packed weights
+    for rows in range(2, LOOP_MAX_ROWS + 1):
+        padded = 2 if rows == 2 else LOOP_MAX_ROWS
+        assert materialise_calls(rows) == (padded * linears if buckets else 0)
+    assert materialise_calls(LOOP_MAX_ROWS + 1) == 0
     # bf16 logits: a unit in the last place is 1/16 at |logit| 8-16, and the graph rounds
     # its intermediates in other places than the eager model does; float32 sums in another order
     tolerance = 2e-2 if dtype == "bfloat16" else 1e-4
-    for rows in sorted({1, 2, 3, few, few + 1}):
+    for rows in range(1, LOOP_MAX_ROWS + 2):
         batch = DecodeInputs([5 + 11 * r for r in range(rows)], [20 - r for r in range(rows)],
                              [[r % 3, 3 + r % 2, 5] for r in range(rows)])
         with torch.inference_mode():
