@@ -32,8 +32,9 @@ process (run it alone; on 2 cores anything else running changes the answer):
   and 8 rows (issue 30, eighteenth part, the Zen 3).
 * ``few``: a float32 engine as shipped, whose decode batches of 2-4 rows go through the
   few-rows graph (every row through the loop), against a decoder of the same model with
-  ``few_rows_loop`` off; compiled steps alternated at 2, 3, 4 and 8 rows (issue 30,
-  twenty-second part, the Zen 3).
+  ``few_rows_loop`` off; compiled steps alternated at 2, 3, 4 and 8 rows; then 2 rows
+  through their own graph against 2 rows padded to 4 (issue 30, twenty-second and
+  twenty-third parts, the Zen 3).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -44,6 +45,7 @@ process (run it alone; on 2 cores anything else running changes the answer):
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -221,15 +223,24 @@ def variant_decoder(engine, model: torch.nn.Module, **options):
 
 
 def part_few(model_path: str, pairs: int) -> None:
-    """Decode steps of 2, 3, 4 and 8 rows as shipped (a float32 batch of 2-4 rows padded to 4
-    through the few-rows graph, every row through the loop) against a decoder of the same
-    model and pool with ``few_rows_loop`` off (oneDNN's packed kernel), alternated."""
+    """Decode steps of 2, 3, 4 and 8 rows as shipped (a float32 batch of 2 rows, or of 3-4
+    padded to 4, through its few-rows graph, every row through the loop) against a decoder of
+    the same model and pool with ``few_rows_loop`` off (oneDNN's packed kernel), alternated;
+    then 2 rows as shipped against 2 rows padded to 4."""
     from minivllm import LLM
+    from minivllm.compile import LOOP_MAX_ROWS
 
     engine = LLM(model_path, compile_in_background=False).engine
     packed = variant_decoder(engine, engine.runner.model, few_rows_loop=False)
     for rows in (2, 3, 4, 8):
         compare_one_row_steps({"packed": packed, "as shipped": engine.runner.decoder}, pairs, rows)
+    # 2 rows through their own graph (shipped) against 2 rows padded to 4 (the twenty-second
+    # part's form): the same decoder, its 4-row graph, a copy routing by one bucket only
+    shipped = engine.runner.decoder
+    padded = copy.copy(shipped)
+    padded.few_rows_buckets = (LOOP_MAX_ROWS,)
+    padded._logits = padded._few_or_many_rows  # bound to the copy: routes by its buckets
+    compare_one_row_steps({"padded to 4": padded, "as shipped": shipped}, pairs, 2)
 
 
 # The engines compared by ``shipped`` and ``engine``: EngineConfig options by name
