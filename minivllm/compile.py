@@ -873,10 +873,16 @@ class CompiledDecoder:
         each few-rows graph (``few_rows_buckets``) likewise, then two larger batch shapes, which
         make the sizes dynamic; then the flat step's two."""
         start = time.perf_counter()
-        shapes = [(1, 2), (1, 3)] if self.min_rows == 1 else []
-        shapes += [(rows, width) for rows in self.few_rows_buckets for width in (2, 3)]
-        many = max(self.few_rows_buckets, default=1) + 1
-        for rows, width in [*shapes, (many, 2), (many + 1, 3)]:
+        # (rows, table width, what the log calls it): each few-rows bucket takes the row
+        # counts above the bucket below it
+        shapes = [(1, width, "1") for width in (2, 3)] if self.min_rows == 1 else []
+        below = (1, *self.few_rows_buckets)
+        for low, rows in zip(below, self.few_rows_buckets):
+            what = f"{rows}" if low + 1 == rows else f"{low + 1}-{rows} (padded to {rows})"
+            shapes += [(rows, width, what) for width in (2, 3)]
+        many = below[-1] + 1
+        shapes += [(many, 2, f"{many}+ (dynamic)"), (many + 1, 3, f"{many}+ (dynamic)")]
+        for rows, width, what in shapes:
             shape_start = time.perf_counter()
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
             logits = self.logits(batch)
@@ -885,11 +891,6 @@ class CompiledDecoder:
                 self.sample(logits, [params] * rows, noise)
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
-            if rows == 1 or rows >= many:
-                what = "1" if rows == 1 else f"{many}+ (dynamic)"
-            else:  # a few-rows bucket: the row counts it takes
-                low = max(b for b in (1, *self.few_rows_buckets) if b < rows) + 1
-                what = f"{rows}" if low == rows else f"{low}-{rows} (padded to {rows})"
             logger.info("compile warm-up: batch %s, block table %d: %.1f s", what, width,
                         time.perf_counter() - shape_start)
         if self.flat is not None:
