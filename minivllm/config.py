@@ -317,6 +317,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use
     max_num_seqs: int = 64  # most sequences running in one step
     max_num_batched_tokens: int | None = None  # most tokens in one step; None -> by device
+    step_overhead_tokens: int | None = None  # M3: a step's fixed cost, for packing prompts; None -> by device
     max_model_len: int | None = None  # longest prompt+output; None -> the model's limit
     enable_prefix_caching: bool = True  # share KV blocks between identical prompt prefixes
     attention_backend: str = "batched"  # "batched" (one call per layer, M6) or "loop" (M2)
@@ -345,6 +346,10 @@ class EngineConfig:
                 not isinstance(value, int) or value <= 0
             ):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        overhead = self.step_overhead_tokens
+        if overhead is not None and (not isinstance(overhead, int) or overhead < 0):
+            raise ValueError("step_overhead_tokens must be a non-negative integer (0: prompts "
+                             f"always pack), got {overhead!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -359,9 +364,12 @@ class EngineConfig:
     def with_device_defaults(self, device: torch.device | str) -> EngineConfig:
         """This config with the defaults that depend on the device filled in; the engine
         calls it once, with the device it resolved (vLLM too picks some defaults by platform)."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return replace(self, max_num_batched_tokens=default_max_num_batched_tokens(device))
+        filled = {}
+        if self.max_num_batched_tokens is None:
+            filled["max_num_batched_tokens"] = default_max_num_batched_tokens(device)
+        if self.step_overhead_tokens is None:
+            filled["step_overhead_tokens"] = default_step_overhead_tokens(device)
+        return replace(self, **filled) if filled else self
 
 
 def default_max_num_batched_tokens(device: torch.device | str) -> int:
@@ -374,6 +382,19 @@ def default_max_num_batched_tokens(device: torch.device | str) -> int:
     a wave, which shortens time to first token, and throughput is unchanged: the linears
     run as fast per token at 512 rows as at 2048 (docs/decisions.md, issue 30)."""
     return 512 if torch.device(device).type == "cpu" else 2048
+
+
+def default_step_overhead_tokens(device: torch.device | str) -> int:
+    """What a step costs beyond its tokens, in tokens of prefill, when none is given: 16 on a
+    CPU; 0 on a GPU, where it means "don't weigh: prompts pack up to the token budget".
+
+    The scheduler uses it to decide whether waiting prompts share a step (notebook 03,
+    *Packing prompts*). On a GPU a step of a 0.5B model costs about the same for 1 token as
+    for 2048, so prompts always pack. On two CPU cores a step's time grows with its tokens
+    from ~16 on (float32 here: 41 ms for 1 token, 143 for 16, 641 for 128, 2442 for 512, ~4.5
+    ms a token past ~65 ms: about 16 tokens' worth), so two prompts in one step both wait for
+    the two (docs/decisions.md, issue 30, twenty-fourth part)."""
+    return 16 if torch.device(device).type == "cpu" else 0
 
 
 def resolve_qualname(qualname: str):

@@ -150,7 +150,7 @@ class LLMEngine:
                 self.runner, self.block_manager, speculative)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, config.step_overhead_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = self.outputs.requests  # request_id -> RequestState, while it runs
         self.structured = None  # PLUGINS["structured_outputs"], built on first use

@@ -18,7 +18,8 @@ Each step:
    pool is out of blocks the *newest* running sequence is preempted (its blocks freed, its
    tokens kept) and goes back to the front of the queue, to be recomputed later;
 2. waiting sequences are admitted first-come-first-served while sequences, tokens and
-   blocks allow.
+   blocks allow, and, where a step's cost grows with its tokens (a CPU), while packing one
+   more prompt into the step delays the prompts in it less than it saves the queue.
 After the model runner has run the plan, ``update`` appends the sampled tokens and retires
 sequences on EOS, stop token ids or length, freeing their blocks at once. ``SchedulerOutput``
 (the plan) and ``RunnerOutput`` (what the runner gives back) are the whole contract between
@@ -129,10 +130,13 @@ class Scheduler:
     """Admit, chunk, retire and preempt, every step (see the module docstring)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: tuple[int, ...] = (),
+                 step_overhead_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # a step's fixed cost in tokens of prefill, for packing prompts (0: always pack)
+        self.step_overhead_tokens = step_overhead_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -174,6 +178,8 @@ class Scheduler:
                 break  # n > 1: let the first sibling fill the prefix cache first
             if not bm.can_allocate(seq.token_ids, seq.lookup_prefix):
                 break
+            if not self._joins_step(out, seq, budget):
+                break  # it would delay the step's prompts more than it saves: next step
             self.waiting.popleft()
             seq.block_table, seq.num_cached_tokens = bm.allocate(seq.token_ids, seq.lookup_prefix)
             seq.num_computed_tokens = seq.num_cached_tokens
@@ -188,6 +194,30 @@ class Scheduler:
     @staticmethod
     def _prompt_cached(seq: Sequence) -> bool:
         return seq.is_finished or seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _joins_step(self, out: SchedulerOutput, seq: Sequence, budget: int) -> bool:
+        """Whether waiting ``seq`` (the queue's head) should join this step or start the next.
+
+        Yes when prompts always pack (``step_overhead_tokens`` 0, a GPU's default) or the step
+        holds no prompt yet. Otherwise a greedy weighing of waits for a first token, counted in
+        tokens of compute: packed, its ``n`` new tokens delay each of the step's ``m`` prompts
+        (``m * n``); left for the next step, it and the ``k`` prompts queued behind it each
+        wait one step more, which costs the step's overhead plus the rows that step runs
+        anyway (``(1 + k) * (overhead + rows)``). On a CPU, where a step's time grows with its
+        tokens, two long prompts go one after the other unless many more wait behind them."""
+        if not self.step_overhead_tokens:
+            return True
+        # (a sequence with more than one token to compute is prefilling: a prompt, or one
+        # recomputed after preemption)
+        prompts = sum(1 for s, _ in out.scheduled if s.num_tokens - s.num_computed_tokens > 1)
+        if prompts == 0:
+            return True
+        bm = self.block_manager
+        cached = len(bm.match_prefix(seq.token_ids)) * bm.block_size if seq.lookup_prefix else 0
+        n = min(seq.num_tokens - cached, budget)  # its tokens to compute in this step
+        behind = len(self.waiting) - 1
+        rows = len(out.scheduled)  # next step's: the decodes and these prompts, decoding then
+        return prompts * n <= (1 + behind) * (self.step_overhead_tokens + rows)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""

@@ -200,6 +200,7 @@ def test_eos_ids_from_generation_config(tmp_path):
         ({"num_blocks": -1}, "num_blocks"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"step_overhead_tokens": -1}, "step_overhead_tokens"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"attention_backend": "flash"}, "attention_backend"),
     ],
@@ -221,8 +222,22 @@ def test_step_token_budget_defaults_by_device():
     assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 2048
     assert EngineConfig().with_device_defaults("cpu").max_num_batched_tokens == 512
     assert EngineConfig().with_device_defaults("cuda").max_num_batched_tokens == 2048
-    asked = EngineConfig(max_num_batched_tokens=4096)
+    asked = EngineConfig(max_num_batched_tokens=4096, step_overhead_tokens=0)
     assert asked.with_device_defaults("cpu") is asked
+
+
+def test_step_overhead_defaults_by_device():
+    """Guards: a GPU engine weighing whether prompts share a step (there they always should:
+    a step costs about the same for 1 token as for 2048), a CPU engine packing every waiting
+    prompt into one step, and an asked-for value being replaced."""
+    from minivllm.config import default_step_overhead_tokens
+
+    assert EngineConfig().step_overhead_tokens is None  # None: chosen by the device
+    assert default_step_overhead_tokens("cpu") == 16
+    assert default_step_overhead_tokens(torch.device("cuda", 1)) == 0  # 0: always pack
+    assert EngineConfig().with_device_defaults("cpu").step_overhead_tokens == 16
+    assert EngineConfig().with_device_defaults("cuda").step_overhead_tokens == 0
+    assert EngineConfig(step_overhead_tokens=0).with_device_defaults("cpu").step_overhead_tokens == 0
 
 
 def _config(path: Path, **changes) -> ModelConfig:

@@ -126,8 +126,10 @@ def test_cpu_engine_steps_512_tokens_by_default(tiny_model):
     """Guards: the step's token budget that EngineConfig leaves to the device not reaching the
     scheduler (None there would admit nothing), and a CPU engine taking a GPU's 2048-token
     step: a wave of 4 prompts of 300 tokens is prefilled 512 tokens a step, so the first
-    prompts get their first token steps before the last."""
-    llm = LLM(str(tiny_model), device="cpu", compile=False, max_model_len=512)
+    prompts get their first token steps before the last. (Prompts pack as a GPU packs them,
+    ``step_overhead_tokens=0``: this is the budget's test; the next ones weigh packing.)"""
+    llm = LLM(str(tiny_model), device="cpu", compile=False, max_model_len=512,
+              step_overhead_tokens=0)
     engine = llm.engine
     assert engine.config.max_num_batched_tokens == 512
     assert engine.scheduler.max_num_batched_tokens == 512
@@ -145,6 +147,87 @@ def test_cpu_engine_steps_512_tokens_by_default(tiny_model):
     assert engine.stats.max_batched_tokens == 512  # 1200 prompt tokens: full 512-token steps
     # step 1: prompt 0 and 212 tokens of 1; step 2: a decode, 1's 88, 2's 300, 123 of 3
     assert sorted(first_token_step.values()) == [1, 2, 2, 3], first_token_step
+
+
+def _first_plans(lengths: list[int], overhead: int, budget: int = 512, cached: int = 0,
+                 max_num_seqs: int = 64) -> list[list[tuple[int, int]]]:
+    """The plans ([(seq id, new tokens)]) of a scheduler until every prompt of ``lengths``
+    (arriving together) has started, a stand-in model sampling token 7; with ``cached`` > 0 the
+    prompts share their first ``cached`` tokens, which a finished request put in the cache."""
+    bm = BlockManager(num_blocks=1024, block_size=16, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                      max_model_len=4096, step_overhead_tokens=overhead)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    shared = list(range(1000, 1000 + cached))
+    if cached:  # one request computes the shared prefix and finishes
+        warm = Sequence(999, "warm", shared + [5], params)
+        sched.add(warm)
+        while sched.has_unfinished():
+            plan = sched.schedule()
+            sched.update(plan, RunnerOutput(token_ids={
+                s.seq_id: [7] for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}))
+    seqs = [Sequence(i, f"r{i}", shared + [i * 100 + j for j in range(n - cached)], params)
+            for i, n in enumerate(lengths)]
+    for seq in seqs:
+        sched.add(seq)
+    plans = []
+    while sched.waiting:
+        plan = sched.schedule()
+        plans.append([(s.seq_id, n) for s, n in plan.scheduled])
+        sched.update(plan, RunnerOutput(token_ids={
+            s.seq_id: [7] for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}))
+    return plans
+
+
+def test_prompts_pack_into_a_step_only_where_it_shortens_first_token_waits():
+    """Guards: a CPU scheduler packing every waiting prompt into one step, so that each waits
+    for all of them before its first token (two 128-token prompts: both at the end of one
+    1.3 s step, instead of 0.64 and 1.3 s), and the opposite mistake: short prompts, a long
+    queue, or a cached prefix each deserve to share a step. Counts worked by hand from the
+    rule ``m * n <= (1 + k) * (overhead + rows)`` (``Scheduler._joins_step``)."""
+    # 0 (a GPU's default): everything packs up to the budget, as before the rule
+    assert _first_plans([128, 128], overhead=0) == [[(0, 128), (1, 128)]]
+    # two long prompts: 128 > 1 x (16 + 1) -> one after the other
+    assert _first_plans([128, 128], overhead=16) == [[(0, 128)], [(0, 1), (1, 128)]]
+    # eight: the second would cost 128 against 7 x 17 = 119 -> one at a time
+    plans = _first_plans([128] * 8, overhead=16)
+    assert [sum(n > 1 for _, n in p) for p in plans] == [1] * 8
+    # thirty-two: packed to the budget while the queue is long (step 1: 128 <= 31 x 17,
+    # 256 <= 30 x 18, 384 <= 29 x 19, then the budget), one at a time once it is short
+    plans = _first_plans([128] * 32, overhead=16)
+    assert [sum(n for _, n in p) for p in plans[:5]] == [512] * 5
+    assert [sum(n > 1 for _, n in p) for p in plans[-3:]] == [1, 1, 1]
+    # short prompts pack: 8 <= 3 x 17, 16 <= 2 x 18, 24 <= 1 x 19 fails -> three, then one
+    assert _first_plans([8, 8, 8, 8], overhead=16) == [[(0, 8), (1, 8), (2, 8)],
+                                                       [(0, 1), (1, 1), (2, 1), (3, 8)]]
+    # a prompt counts only its tokens to compute: 128 tokens of which 112 are cached -> 16
+    # (1 x 16 <= 1 x 17), where uncached it waits
+    assert _first_plans([128, 128], overhead=16, cached=112) == [[(0, 16), (1, 16)]]
+
+
+def test_cpu_engine_weighs_packing_by_default(tiny_model):
+    """Guards: the device's default overhead not reaching the scheduler. Two long prompts sent
+    together to a CPU engine get their first tokens in different steps, and the same tokens
+    as when they share one."""
+    prompts = [(p * 100)[:100] for p in _random_prompts(3, 2, 1)]
+    tokens = {}
+    for overhead in (None, 0):
+        llm = LLM(str(tiny_model), device="cpu", compile=False, step_overhead_tokens=overhead)
+        engine = llm.engine
+        assert engine.scheduler.step_overhead_tokens == (16 if overhead is None else 0)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=4, **GREEDY))
+        first_token_step, step, out_tokens = {}, 0, {}
+        while engine.has_unfinished_requests():
+            step += 1
+            for out in engine.step():
+                if out.outputs[0].token_ids:
+                    first_token_step.setdefault(out.request_id, step)
+                out_tokens[out.request_id] = list(out.outputs[0].token_ids)
+        assert sorted(first_token_step.values()) == ([1, 2] if overhead is None else [1, 1])
+        tokens[overhead] = out_tokens
+    assert tokens[None] == tokens[0]
 
 
 def test_bundled_model_batch_matches_transformers(tiny_model):

@@ -90,6 +90,8 @@ SCHEDULER_MUTANTS = {
         "schedule", [("seq = self.waiting[0]", "seq = self.waiting[-1]"),
                      ("self.waiting.popleft()", "self.waiting.pop()")]),
     "ignores max_num_seqs": ("schedule", [("and len(self.running) < self.max_num_seqs", "")]),
+    "packs every waiting prompt into the step": (
+        "schedule", [("if not self._joins_step(out, seq, budget):", "if False:")]),
     "admits without charging the budget": (
         "schedule", [("out.admitted.append(seq)\n            budget -= n",
                       "out.admitted.append(seq)")]),

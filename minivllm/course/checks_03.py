@@ -55,6 +55,18 @@ _TRACE_B = [
     ([(1, 1), (2, 1)], [], []),
 ]
 
+# Scenario C (packing prompts, step_overhead_tokens=1, 20 tokens per step): four prompts of
+# 8, 8, 2 and 8 tokens arrive together, 2 output tokens each. Seq 1 does not join seq 0's step:
+# it would delay seq 0 by 8 token-times, while waiting costs it and the two behind it one step
+# of overhead + 1 row each (3 x 2 = 6). In the next step seq 2 (2 tokens) joins seq 1 (2 <= 2 x
+# (1 + 2 rows) = 6), seq 3 does not (2 x 8 = 16 > 1 x (1 + 3) = 4).
+_TRACE_C = [
+    ([(0, 8)], [], [0]),
+    ([(0, 1), (1, 8), (2, 2)], [], [1, 2]),
+    ([(1, 1), (2, 1), (3, 8)], [], [3]),
+    ([(3, 1)], [], []),
+]
+
 
 def _plan_summary(plan, with_cached: bool = False):
     admitted = [(s.seq_id, s.num_cached_tokens) if with_cached else s.seq_id for s in plan.admitted]
@@ -150,8 +162,18 @@ def check_schedule(Scheduler, Sequence) -> None:
     for seq in seqs:
         sched.add(seq)
     _run_scheduler(sched, seqs, bm, num_blocks=12, sharing=True, trace=_TRACE_B, with_cached=True)
-    passed("Exercise 3.1 (Scheduler.schedule)", f"{len(_TRACE_A)} + {len(_TRACE_B)} scripted "
-           "steps: budgets, FCFS, newest-first preemption, chunked prefill, n>1 siblings")
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=20, max_model_len=40,
+                      step_overhead_tokens=1)
+    seqs = [Sequence(i, f"r{i}", [1] * n, params) for i, n in enumerate([8, 8, 2, 8])]
+    for seq in seqs:
+        sched.add(seq)
+    _run_scheduler(sched, seqs, bm, num_blocks=12, sharing=False, trace=_TRACE_C)
+    passed("Exercise 3.1 (Scheduler.schedule)", f"{len(_TRACE_A)} + {len(_TRACE_B)} + "
+           f"{len(_TRACE_C)} scripted steps: budgets, FCFS, newest-first preemption, chunked "
+           "prefill, n>1 siblings, packing prompts")
 
 
 # ----------------------------------------------------------------------------- retirement

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens,
                    help="most tokens in one step (default: 512 on a CPU, 2048 on a GPU)")
+    p.add_argument("--step-overhead-tokens", type=int, default=engine.step_overhead_tokens,
+                   help="a step's fixed cost in tokens, weighed when packing prompts into one "
+                        "step (default: 16 on a CPU; 0 on a GPU: always pack)")
     p.add_argument("--max-model-len", type=int, default=engine.max_model_len)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=engine.enable_prefix_caching)
@@ -136,6 +139,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         "num_blocks": args.num_blocks, "kv_cache_memory_bytes": kv_bytes,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "step_overhead_tokens": args.step_overhead_tokens,
         "max_model_len": args.max_model_len, "enable_prefix_caching": args.enable_prefix_caching,
         "attention_backend": args.attention_backend, "compile": args.compile,
         "compile_in_background": args.compile_in_background, "seed": args.seed,
