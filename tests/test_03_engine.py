@@ -149,13 +149,13 @@ def test_cpu_engine_steps_512_tokens_by_default(tiny_model):
     assert sorted(first_token_step.values()) == [1, 2, 2, 3], first_token_step
 
 
-def _first_plans(lengths: list[int], overhead: int, budget: int = 512, cached: int = 0,
-                 max_num_seqs: int = 64) -> list[list[tuple[int, int]]]:
+def _first_plans(lengths: list[int], overhead: int, budget: int = 512,
+                 cached: int = 0) -> list[list[tuple[int, int]]]:
     """The plans ([(seq id, new tokens)]) of a scheduler until every prompt of ``lengths``
     (arriving together) has started, a stand-in model sampling token 7; with ``cached`` > 0 the
     prompts share their first ``cached`` tokens, which a finished request put in the cache."""
     bm = BlockManager(num_blocks=1024, block_size=16, enable_prefix_caching=True)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=budget,
                       max_model_len=4096, step_overhead_tokens=overhead)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     shared = list(range(1000, 1000 + cached))
