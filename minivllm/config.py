@@ -377,7 +377,8 @@ def default_max_num_batched_tokens(device: torch.device | str) -> int:
 
     A step with a prefill chunk lasts as long as the chunk takes, and every decoding sequence
     waits that long for its next token. A GPU prefills 2048 tokens of a 0.5B model in
-    milliseconds; two CPU cores take over a second, so a CPU step holds 512 (~0.3 s there).
+    milliseconds; two CPU cores take over a second (bf16 on a Zen 4; ~10 s in float32 on an
+    AVX2-only Zen 3), so a CPU step holds 512 (~0.3 s there, 2.4 s on the Zen 3).
     Prompts then finish their prefill a chunk at a time instead of all together at the end of
     a wave, which shortens time to first token, and throughput is unchanged: the linears
     run as fast per token at 512 rows as at 2048 (docs/decisions.md, issue 30)."""
