@@ -158,24 +158,25 @@ def _first_plans(lengths: list[int], overhead: int, budget: int = 512,
     sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=budget,
                       max_model_len=4096, step_overhead_tokens=overhead)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def step() -> list[tuple[int, int]]:  # schedule, then "sample" 7 where a row samples
+        plan = sched.schedule()
+        sched.update(plan, RunnerOutput(token_ids={
+            s.seq_id: [7] for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}))
+        return [(s.seq_id, n) for s, n in plan.scheduled]
+
     shared = list(range(1000, 1000 + cached))
     if cached:  # one request computes the shared prefix and finishes
-        warm = Sequence(999, "warm", shared + [5], params)
-        sched.add(warm)
+        sched.add(Sequence(999, "warm", shared + [5], params))
         while sched.has_unfinished():
-            plan = sched.schedule()
-            sched.update(plan, RunnerOutput(token_ids={
-                s.seq_id: [7] for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}))
+            step()
     seqs = [Sequence(i, f"r{i}", shared + [i * 100 + j for j in range(n - cached)], params)
             for i, n in enumerate(lengths)]
     for seq in seqs:
         sched.add(seq)
     plans = []
     while sched.waiting:
-        plan = sched.schedule()
-        plans.append([(s.seq_id, n) for s, n in plan.scheduled])
-        sched.update(plan, RunnerOutput(token_ids={
-            s.seq_id: [7] for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens}))
+        plans.append(step())
     return plans
 
 

@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from minivllm.bench.engines import BenchOptions, open_engine, parse_engine_spec, split_engine_specs
+from minivllm.bench.engines import BenchOptions, apply_engine_spec, open_engine, split_engine_specs
 from minivllm.bench.env import regular_vocab_size
 from minivllm.bench.harness import stats_delta
 from minivllm.bench.metrics import make_workload, request_latency
@@ -60,10 +60,9 @@ def main() -> None:
     vocab = regular_vocab_size(resolve_model_path(a.model))  # no special tokens in prompts
     n = a.num_requests or max(2 * c, 8)
     for spec in split_engine_specs(a.engines):  # "minivllm-server[step_overhead_tokens=0]" too
-        name, _, options = parse_engine_spec(spec)
-        opts = BenchOptions(model=a.model, engines=[spec], workloads=[a.workload],
-                            concurrency=[c], input_len=a.input_len, output_len=a.output_len,
-                            engine_options=options)
+        name, _, opts = apply_engine_spec(spec, BenchOptions(
+            model=a.model, engines=[spec], workloads=[a.workload], concurrency=[c],
+            input_len=a.input_len, output_len=a.output_len))
         with open_engine(name, opts) as session:
             if session is None:
                 print(f"{spec}: cannot run here")

@@ -202,6 +202,17 @@ def parse_engine_spec(spec: str) -> tuple[str, str, dict]:
     return match.group(1), variant, parse_engine_options(pairs)
 
 
+def apply_engine_spec(spec: str, opts: BenchOptions) -> tuple[str, str, BenchOptions]:
+    """``spec``'s engine name, its variant text, and ``opts`` with the spec's own options on
+    top. dtype and device are options of every engine, so a variant may set them too
+    (``minivllm[dtype=float32],minivllm`` compares fp32 with what "auto" picks); the rest are
+    EngineConfig options, added to ``--engine-option``'s."""
+    name, variant, options = parse_engine_spec(spec)
+    own = {key: str(options.pop(key)) for key in ("dtype", "device") if key in options}
+    return name, variant, dataclasses.replace(
+        opts, **own, engine_options={**opts.engine_options, **options})
+
+
 def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
                   info: dict, payload: Payload = completion_payload,
                   ready_after_s: float | None = None) -> Session:

@@ -28,7 +28,13 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
-from minivllm.bench.engines import BenchOptions, Session, open_engine, parse_engine_spec
+from minivllm.bench.engines import (
+    BenchOptions,
+    Session,
+    apply_engine_spec,
+    open_engine,
+    parse_engine_spec,
+)
 from minivllm.bench.env import Monitor, environment, regular_vocab_size
 from minivllm.bench.metrics import BenchRequest, RequestResult, make_workload, summarize
 from minivllm.bench.roofline import RooflineProbe
@@ -128,11 +134,7 @@ def started_engine(spec: str, opts: BenchOptions,
     ``minivllm[compile=False]``."""
     from minivllm.config import resolve_device, resolve_model_path
 
-    name, variant, options = parse_engine_spec(spec)
-    # dtype and device are options of every engine, so a variant may set them too
-    # (``minivllm[dtype=float32],minivllm`` compares fp32 with what "auto" picks)
-    own = {key: str(options.pop(key)) for key in ("dtype", "device") if key in options}
-    opts = dataclasses.replace(opts, **own, engine_options={**opts.engine_options, **options})
+    name, variant, opts = apply_engine_spec(spec, opts)
 
     vocab = 151643  # Qwen's regular tokens, when the checkpoint is elsewhere (openai)
     with contextlib.suppress(FileNotFoundError):
