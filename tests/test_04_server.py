@@ -395,6 +395,57 @@ def test_an_idle_engine_takes_a_burst_of_requests_in_one_step(tiny_model):
     assert len(waiting_at_step) == 3  # and decoded together: 3 tokens, 3 steps
 
 
+def test_an_idle_engine_gives_its_freed_memory_back(tiny_model, monkeypatch):
+    """Guards: a server holding its busiest step's heap for as long as it runs (glibc keeps
+    what the steps freed). Idle for release_after_idle_s, the engine thread trims once per
+    idle spell; never while it steps; never with None."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine import LLMEngine
+    from minivllm.server import engine_thread
+
+    trims: list[float] = []
+    monkeypatch.setattr(engine_thread, "release_freed_memory", lambda: trims.append(time.monotonic()))
+
+    def build():
+        return LLMEngine(EngineConfig(model=str(tiny_model), num_blocks=64, max_model_len=128,
+                                      compile=False))
+
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(trims) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    engine = engine_thread.AsyncEngine(build, release_after_idle_s=0.1)
+    engine.start()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    async def one_request() -> tuple[float, float]:
+        sent = time.monotonic()
+        submission = await engine.submit([("idle-0", [5, 6, 7, 8], params)])
+        async for _ in submission.updates():
+            pass
+        return sent, time.monotonic()
+
+    try:
+        wait_for(1)  # idle since it started: one trim
+        time.sleep(0.5)  # five more idle timeouts' worth: still one (once per idle spell)
+        assert len(trims) == 1
+        sent, done = asyncio.run(one_request())
+        assert all(not sent <= t <= done for t in trims)  # 24 steps back to back: no trim
+        wait_for(2)  # idle again after the request: one more
+        time.sleep(0.5)
+        assert len(trims) == 2
+    finally:
+        engine.shutdown()
+    never = engine_thread.AsyncEngine(build, release_after_idle_s=None)
+    never.start()
+    try:
+        time.sleep(0.5)
+    finally:
+        never.shutdown()
+    assert len(trims) == 2
+
+
 def test_tokenize_detokenize_and_version(server):
     """Guards: vLLM's /tokenize, /detokenize and /version missing (clients count prompt tokens
     and check a server's version through them), or counting a chat prompt differently from

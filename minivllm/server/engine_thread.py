@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
+from minivllm.config import release_freed_memory
 from minivllm.engine import LLMEngine, RequestOutput, call_with_frame_room
 from minivllm.protocol import OpenAIError, merge_outputs
 from minivllm.sampling import SamplingParams
@@ -81,11 +82,13 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  max_waiting_requests: int | None = None, burst_gap_s: float = 0.004,
-                 burst_window_s: float = 0.025) -> None:
+                 burst_window_s: float = 0.025, release_after_idle_s: float | None = 1.0) -> None:
         self.max_waiting_requests = max_waiting_requests  # None: requests wait, unbounded
         # An idle engine woken by a request waits while more keep coming, each within
         # burst_gap_s of the last, for at most burst_window_s (0: step at once; see _run)
         self.burst_gap_s, self.burst_window_s = burst_gap_s, burst_window_s
+        # idle this long, it gives the memory its steps freed back to the OS (None: never)
+        self.release_after_idle_s = release_after_idle_s
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         # the step loop starts from a frame chunk of its own (notebook 03's LLM.generate too)
@@ -153,7 +156,7 @@ class AsyncEngine:
         self._ready.set_result(None)
         while True:
             idle = not self.engine.has_unfinished_requests()
-            commands = [self._commands.get()] if idle else []  # sleep until there is work
+            commands = [self._next_command()] if idle else []  # sleep until there is work
             if idle:
                 commands += self._rest_of_burst()
             while not self._commands.empty():
@@ -167,6 +170,20 @@ class AsyncEngine:
                 self._step()  # takes its own snapshot, before the clients hear of the step
             else:
                 self.stats = self._snapshot()
+
+    def _next_command(self) -> Callable[[], None] | None:
+        """Sleep until the next command comes, the engine being idle. Once it has been idle
+        for ``release_after_idle_s``, first hand back to the OS the memory that glibc kept
+        when the steps freed their activations (``release_freed_memory``): a server that has
+        served a burst shrinks again while it waits, instead of holding its busiest moment's
+        heap until it exits. The trim takes a few milliseconds, paid once per idle spell and
+        never by a step in progress: only a request that arrives during it waits for it."""
+        if self.release_after_idle_s is not None:
+            try:
+                return self._commands.get(timeout=self.release_after_idle_s)
+            except queue.Empty:
+                release_freed_memory()
+        return self._commands.get()
 
     def _rest_of_burst(self) -> list[Callable[[], None] | None]:
         """The commands that follow the one that woke an idle engine by less than
