@@ -1,6 +1,7 @@
 """The benchmark's tools (notebook 05): tools/roofline.py, the stand-alone roofline report, on
 the bundled tiny model; tools/weight_bandwidth.py; tools/startup_time.py; tools/cuda_session.sh;
-and the experiments bench/experiments/omp_threads.py, ttft_timeline.py and noise_ab.py."""
+and the experiments bench/experiments/omp_threads.py, ttft_timeline.py, noise_ab.py and
+schedule_sim.py."""
 
 from __future__ import annotations
 
@@ -175,3 +176,30 @@ def test_noise_ab_arms_draw_the_same_distribution(tiny_model):
     assert all(len(t) == 2 and min(t) > 0 for t in steps.values())
     assert minivllm.sampling.exponential_noise is minivllm.compile.exponential_noise \
         is tool.PACKAGE_NOISE
+
+
+def test_schedule_sim_times_steps_by_its_cost_model():
+    """bench/experiments/schedule_sim.py drives the package's scheduler on the benchmark's
+    requests; times worked by hand from cost = 30 + 9 per decode row + 4.6 per prompt token
+    (ms). Fixed workload, prompts of 16 tokens, 4 output tokens."""
+    tool = load_module(REPO / "bench" / "experiments" / "schedule_sim.py", "schedule_sim")
+    kw = {"input_len": 16, "output_len": 4, "num_requests": 2, "cost": (30.0, 9.0, 4.6)}
+    # one client: prefill (30 + 4.6*16 = 103.6 ms, the first token), then three decode
+    # steps of one row (39 ms each); the second request the same, sent when the first ends
+    one = tool.simulate("fixed", 1, **kw)
+    assert one["ttft_p50_s"] == pytest.approx(0.1036) and one["ttft_p99_s"] == pytest.approx(0.1036)
+    assert one["tpot_p50_ms"] == pytest.approx(39.0) and one["steps"] == 8
+    assert one["output_tok_s"] == pytest.approx(8 / (2 * (103.6 + 3 * 39.0)) * 1e3)
+    # two clients, prompts always packed: both prompts in one step (30 + 4.6*32 = 177.2 ms)
+    packed = tool.simulate("fixed", 2, step_overhead_tokens=0, **kw)
+    assert packed["ttft_mean_s"] == pytest.approx(0.1772) and packed["steps"] == 4
+    assert packed["tpot_p50_ms"] == pytest.approx(30.0 + 2 * 9.0)
+    # weighed (overhead 16 tokens): 1 * 16 <= (1 + 0) * (16 + 1), so the second joins too;
+    # at overhead 8 (16 > 8 + 1) it waits: 103.6 ms, then 30 + 9 + 73.6 = 112.6 ms later
+    assert tool.simulate("fixed", 2, step_overhead_tokens=16, **kw)["steps"] == 4
+    apart = tool.simulate("fixed", 2, step_overhead_tokens=8, **kw)
+    assert apart["ttft_p50_s"] == pytest.approx((0.1036 + 0.2162) / 2) and apart["steps"] == 5
+    # the what-ifs: shortest-first changes nothing on equal prompts; arrivals counts the two
+    # that arrived before the first step among those waiting: 16 <= (1 + 0 + 2) * (8 + 1)
+    assert tool.simulate("fixed", 2, step_overhead_tokens=8, policy="shortest-first", **kw) == apart
+    assert tool.simulate("fixed", 2, step_overhead_tokens=8, policy="arrivals", **kw) == packed
