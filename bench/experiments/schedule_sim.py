@@ -74,15 +74,15 @@ class CountArrivals(Scheduler):
         return super().schedule()
 
     def _joins_step(self, out, seq, budget):
-        if not self.step_overhead_tokens:
-            return True
-        prompts = sum(1 for s, _ in out.scheduled if s.num_tokens - s.num_computed_tokens > 1)
-        if prompts == 0:
-            return True
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        behind = len(self.waiting) - 1 + self.arrivals_per_step
-        rows = len(out.scheduled)
-        return prompts * n <= (1 + behind) * (self.step_overhead_tokens + rows)
+        # the package's rule, with the expected arrivals counted among the prompts behind
+        # ``seq``: it reads only how many wait, so stand-ins are queued for the question
+        stand_ins = [seq] * self.arrivals_per_step
+        self.waiting.extend(stand_ins)
+        try:
+            return super()._joins_step(out, seq, budget)
+        finally:
+            for _ in stand_ins:
+                self.waiting.pop()
 
 
 POLICIES = {"fcfs": Scheduler, "shortest-first": ShortestFirst, "arrivals": CountArrivals}
