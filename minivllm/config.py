@@ -224,7 +224,8 @@ def release_freed_memory() -> None:
     """Hand the memory glibc keeps after frees back to the system (``malloc_trim(0)``).
     Freed tensors of a few MiB each stay in its heap otherwise, and the process looks larger
     than what it holds: notebook 07 calls it after moving weights, notebook 05's memory probe
-    after its buffer. Nothing where libc has no such call (not glibc)."""
+    after its buffer, notebook 04's server once it has been idle for a second. Nothing where
+    libc has no such call (not glibc)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):
