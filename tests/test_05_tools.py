@@ -181,25 +181,39 @@ def test_noise_ab_arms_draw_the_same_distribution(tiny_model):
 def test_schedule_sim_times_steps_by_its_cost_model():
     """bench/experiments/schedule_sim.py drives the package's scheduler on the benchmark's
     requests; times worked by hand from cost = 30 + 9 per decode row + 4.6 per prompt token
-    (ms). Fixed workload, prompts of 16 tokens, 4 output tokens."""
+    + 10 for a step with prompt tokens (ms). Fixed workload, prompts of 16 tokens, 4 output
+    tokens."""
     tool = load_module(REPO / "bench" / "experiments" / "schedule_sim.py", "schedule_sim")
-    kw = {"input_len": 16, "output_len": 4, "num_requests": 2, "cost": (30.0, 9.0, 4.6)}
-    # one client: prefill (30 + 4.6*16 = 103.6 ms, the first token), then three decode
+    kw = {"input_len": 16, "output_len": 4, "num_requests": 2, "cost": (30.0, 9.0, 4.6, 10.0)}
+    # one client: prefill (30 + 4.6*16 + 10 = 113.6 ms, the first token), then three decode
     # steps of one row (39 ms each); the second request the same, sent when the first ends
     one = tool.simulate("fixed", 1, **kw)
-    assert one["ttft_p50_s"] == pytest.approx(0.1036) and one["ttft_p99_s"] == pytest.approx(0.1036)
+    assert one["ttft_p50_s"] == pytest.approx(0.1136) and one["ttft_p99_s"] == pytest.approx(0.1136)
     assert one["tpot_p50_ms"] == pytest.approx(39.0) and one["steps"] == 8
-    assert one["output_tok_s"] == pytest.approx(8 / (2 * (103.6 + 3 * 39.0)) * 1e3)
-    # two clients, prompts always packed: both prompts in one step (30 + 4.6*32 = 177.2 ms)
+    assert one["output_tok_s"] == pytest.approx(8 / (2 * (113.6 + 3 * 39.0)) * 1e3)
+    # two clients, prompts always packed: both prompts in one step (30 + 4.6*32 + 10 = 187.2)
     packed = tool.simulate("fixed", 2, step_overhead_tokens=0, **kw)
-    assert packed["ttft_mean_s"] == pytest.approx(0.1772) and packed["steps"] == 4
+    assert packed["ttft_mean_s"] == pytest.approx(0.1872) and packed["steps"] == 4
     assert packed["tpot_p50_ms"] == pytest.approx(30.0 + 2 * 9.0)
     # weighed (overhead 16 tokens): 1 * 16 <= (1 + 0) * (16 + 1), so the second joins too;
-    # at overhead 8 (16 > 8 + 1) it waits: 103.6 ms, then 30 + 9 + 73.6 = 112.6 ms later
+    # at overhead 8 (16 > 8 + 1) it waits: 113.6 ms, then 30 + 9 + 73.6 + 10 = 122.6 ms later
     assert tool.simulate("fixed", 2, step_overhead_tokens=16, **kw)["steps"] == 4
     apart = tool.simulate("fixed", 2, step_overhead_tokens=8, **kw)
-    assert apart["ttft_p50_s"] == pytest.approx((0.1036 + 0.2162) / 2) and apart["steps"] == 5
+    assert apart["ttft_p50_s"] == pytest.approx((0.1136 + 0.2362) / 2) and apart["steps"] == 5
     # the what-ifs: shortest-first changes nothing on equal prompts; arrivals counts the two
     # that arrived before the first step among those waiting: 16 <= (1 + 0 + 2) * (8 + 1)
     assert tool.simulate("fixed", 2, step_overhead_tokens=8, policy="shortest-first", **kw) == apart
     assert tool.simulate("fixed", 2, step_overhead_tokens=8, policy="arrivals", **kw) == packed
+
+
+def test_schedule_sim_calibrates_its_cost_model(tiny_model):
+    """--calibrate: least squares recovers the coefficients of exact samples, and the timed
+    steps are what they claim (their rows and tokens read from the engine's counters)."""
+    tool = load_module(REPO / "bench" / "experiments" / "schedule_sim.py", "schedule_sim")
+    exact = [(rows, tokens, 30.0 + 9.0 * rows + 4.6 * tokens + (10.0 if tokens else 0.0))
+             for rows, tokens in [(0, 16), (0, 128), (0, 512), (1, 0), (8, 0), (32, 0)]]
+    assert tool.fit_cost(exact) == pytest.approx((30.0, 9.0, 4.6, 10.0))
+    samples = tool.measure_steps(str(tiny_model), prompt_lens=(4, 12), decode_rows=(1, 3),
+                                 context=8, repeats=2, compile=False)
+    assert [(rows, tokens) for rows, tokens, _ in samples] == [(0, 4), (0, 12), (1, 0), (3, 0)] * 2
+    assert all(ms > 0 for _, _, ms in samples)

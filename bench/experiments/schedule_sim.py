@@ -9,14 +9,18 @@ any run. The simulation drives notebook 03's ``Scheduler`` and notebook 02's
 ends (``python -m minivllm.bench``'s closed loop). No model runs: a step takes
 
     cost(step) = step_ms + row_ms * (decode rows) + token_ms * (prompt tokens)
+                 + prompt_ms (if the step computes any prompt tokens)
 
 milliseconds, every decode row samples one token, and a prompt's last chunk its first. The
-default coefficients were measured on the 2-vCPU Zen 3 in float32 (docs/decisions.md, issue
-30, twenty-fourth and twenty-fifth parts): a prompt-only step of 128 tokens ~640 ms, a
-32-row decode step ~300 ms. On another machine measure them again (e.g. with
-``step_ceilings.py``) and pass ``--cost``. Requests arrive at the step boundary after they
-are sent, as an engine thread that is stepping sees them; the server's burst window and HTTP
-time are left out, so simulated TTFTs run ~10-20 % below measured ones.
+default coefficients were fitted on the 2-vCPU Zen 3 in float32, the 0.5B shape, the server's
+engine (``--calibrate``; docs/decisions.md, issue 30, twenty-fifth part): a 32-row decode
+step ~340 ms, a prompt-only step of 128 tokens ~660 ms, one row ~42 ms (the fit's 53: the
+one-row step has a route of its own). On another machine fit them again:
+``--calibrate MODEL`` times steps of the engine as the server builds it (a fresh prompt of
+16, 128 and 512 tokens alone; 1, 8 and 32 sequences decoding) and fits the four by least
+squares; or pass ``--cost``. Requests arrive at the step boundary after they are sent, as an
+engine thread that is stepping sees them; the server's burst window, HTTP and the time
+between steps are left out, so simulated TTFTs run below measured ones.
 
 Policies (``--policies``): ``fcfs`` is the package's scheduler as shipped (first come, first
 served, with ``step_overhead_tokens`` weighing which waiting prompts join a step);
@@ -32,19 +36,24 @@ two are what-ifs, not in the package.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
 
 from minivllm.bench.metrics import make_workload, percentile
 from minivllm.kv_cache import BlockManager
 from minivllm.sampling import SamplingParams
 from minivllm.scheduler import RunnerOutput, Scheduler, Sequence
 
-DEFAULT_COST = (30.0, 9.0, 4.6)  # ms: per step, per decode row, per prompt token (Zen 3, fp32)
+# ms: per step, per decode row, per prompt token, per step with prompt tokens (Zen 3, fp32)
+DEFAULT_COST = (43.9, 9.3, 4.7, 21.1)
 
 
 class ShortestFirst(Scheduler):
@@ -89,12 +98,12 @@ POLICIES = {"fcfs": Scheduler, "shortest-first": ShortestFirst, "arrivals": Coun
 
 
 def simulate(workload: str, concurrency: int, *, budget: int = 512, step_overhead_tokens: int = 0,
-             policy: str = "fcfs", cost: tuple[float, float, float] = DEFAULT_COST,
+             policy: str = "fcfs", cost: tuple[float, ...] = DEFAULT_COST,
              num_requests: int | None = None, input_len: int = 128, output_len: int = 64,
              seed: int = 0, max_num_seqs: int = 256, block_size: int = 16) -> dict:
     """One closed-loop level: TTFT and TPOT per request (s, ms) as the benchmark reports them,
     output tokens per second, and the steps taken."""
-    step_ms, row_ms, token_ms = cost
+    step_ms, row_ms, token_ms, prompt_ms = cost
     num_requests = num_requests or max(2 * concurrency, 8)
     requests = make_workload(workload, num_requests, input_len, output_len, seed=seed,
                              salt=concurrency)
@@ -118,7 +127,8 @@ def simulate(workload: str, concurrency: int, *, budget: int = 512, step_overhea
         plan = scheduler.schedule()
         decode_rows = sum(1 for _, n in plan.scheduled if n == 1)
         prompt_tokens = sum(n for _, n in plan.scheduled if n > 1)
-        now += step_ms + row_ms * decode_rows + token_ms * prompt_tokens
+        now += (step_ms + row_ms * decode_rows + token_ms * prompt_tokens
+                + (prompt_ms if prompt_tokens else 0.0))
         steps += 1
         out = RunnerOutput(token_ids={seq.seq_id: [0] for seq, n in plan.scheduled
                                       if seq.num_computed_tokens + n >= seq.num_tokens})
@@ -138,6 +148,65 @@ def simulate(workload: str, concurrency: int, *, budget: int = 512, step_overhea
             "output_tok_s": sum(r.output_len for r in requests) / now * 1e3, "steps": steps}
 
 
+def measure_steps(model: str, prompt_lens=(16, 128, 512), decode_rows=(1, 8, 32),
+                  context: int = 128, repeats: int = 3, **engine_options) -> list[tuple[int, int, float]]:
+    """(decode rows, prompt tokens, ms) of single engine steps, timed on an engine built as
+    the server builds it (its compiled step in the foreground): a fresh prompt alone, and
+    sequences decoding at ``context`` tokens, after one untimed pass (first calls compile and
+    allocate). Each step's rows and tokens are read from the engine's counters, not assumed."""
+    from minivllm.engine import LLMEngine
+
+    engine = LLMEngine.from_options(model, compile_in_background=False, **engine_options)
+    budget = engine.config.max_num_batched_tokens
+    rng = random.Random(0)
+    ids = iter(range(10**9))
+    vocab = min(engine.model_config.vocab_size, 100_000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]  # fresh: no prefix-cache hit
+
+    def timed_step() -> tuple[int, int, float]:
+        before = (engine.stats.num_prompt_tokens_computed, engine.stats.num_generated_tokens)
+        start = time.perf_counter()
+        engine.step()
+        ms = (time.perf_counter() - start) * 1e3
+        tokens = engine.stats.num_prompt_tokens_computed - before[0]
+        generated = engine.stats.num_generated_tokens - before[1]
+        return generated - (1 if tokens else 0), tokens, ms  # a prompt's step samples its first
+
+    samples = []
+    for rep in range(repeats + 1):
+        for n in prompt_lens:
+            engine.add_request(f"calibrate-{next(ids)}", prompt(min(n, budget)),
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+            sample = timed_step()
+            while engine.has_unfinished_requests():
+                engine.step()
+            samples += [sample] if rep else []
+        for rows in decode_rows:
+            names = [f"calibrate-{next(ids)}" for _ in range(rows)]
+            for name in names:
+                engine.add_request(name, prompt(context), SamplingParams(max_tokens=64, ignore_eos=True))
+            while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                                  for s in engine.scheduler.running):
+                engine.step()  # prefill them all
+            sample = timed_step()
+            for name in names:
+                engine.abort_request(name)
+            samples += [sample] if rep else []
+    return samples
+
+
+def fit_cost(samples: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+    """Least squares of ms = step_ms + row_ms * rows + token_ms * tokens + prompt_ms * (tokens
+    > 0) over the samples: (step_ms, row_ms, token_ms, prompt_ms)."""
+    a = torch.tensor([[1.0, rows, tokens, float(tokens > 0)] for rows, tokens, _ in samples],
+                     dtype=torch.float64)
+    b = torch.tensor([[ms] for _, _, ms in samples], dtype=torch.float64)
+    step_ms, row_ms, token_ms, prompt_ms = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+    return step_ms, row_ms, token_ms, prompt_ms
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="fixed,mixed")
@@ -149,9 +218,19 @@ def main() -> None:
     p.add_argument("--overheads", default="0,16", help="step_overhead_tokens values")
     p.add_argument("--policies", default="fcfs", help=", ".join(POLICIES))
     p.add_argument("--cost", default=",".join(map(str, DEFAULT_COST)),
-                   help="ms per step, per decode row, per prompt token")
+                   help="ms per step, per decode row, per prompt token, per step with a prompt")
+    p.add_argument("--calibrate", metavar="MODEL", default=None,
+                   help="measure the cost model on this checkpoint instead of --cost")
     a = p.parse_args()
     cost = tuple(float(x) for x in a.cost.split(","))
+    if a.calibrate:
+        samples = measure_steps(a.calibrate)
+        for rows, tokens, ms in samples:
+            print(f"step of {rows:3d} decode rows and {tokens:4d} prompt tokens: {ms:8.1f} ms")
+        cost = fit_cost(samples)
+        print("fitted cost, ms per step, per decode row, per prompt token, per step with a "
+              "prompt: "
+              + ", ".join(f"{x:.2f}" for x in cost))
     print(f"{'workload':8s} {'c':>3s} {'budget':>6s} {'ovh':>4s} {'policy':15s} "
           f"{'TTFT p50':>8s} {'mean':>6s} {'p99':>6s} {'TPOT p50':>8s} {'tok/s':>6s} {'steps':>5s}")
     for workload in a.workloads.split(","):
