@@ -223,6 +223,9 @@ def main() -> None:
                    help="measure the cost model on this checkpoint instead of --cost")
     a = p.parse_args()
     cost = tuple(float(x) for x in a.cost.split(","))
+    if len(cost) != len(DEFAULT_COST):
+        p.error(f"--cost takes {len(DEFAULT_COST)} numbers: ms per step, per decode row, per "
+                "prompt token, per step with a prompt")
     if a.calibrate:
         samples = measure_steps(a.calibrate)
         for rows, tokens, ms in samples:
