@@ -418,20 +418,30 @@ def test_an_idle_engine_gives_its_freed_memory_back(tiny_model, monkeypatch):
     engine = engine_thread.AsyncEngine(build, release_after_idle_s=0.1)
     engine.start()
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    step_times: list[float] = []  # when each step began and ended, on the engine thread
+    real_step = engine.engine.step
 
-    async def one_request() -> tuple[float, float]:
-        sent = time.monotonic()
+    def step():
+        step_times.append(time.monotonic())
+        try:
+            return real_step()
+        finally:
+            step_times.append(time.monotonic())
+
+    engine.engine.step = step  # the engine thread's next steps go through here
+
+    async def one_request() -> None:
         submission = await engine.submit([("idle-0", [5, 6, 7, 8], params)])
         async for _ in submission.updates():
             pass
-        return sent, time.monotonic()
 
     try:
         wait_for(1)  # idle since it started: one trim
         time.sleep(0.5)  # five more idle timeouts' worth: still one (once per idle spell)
         assert len(trims) == 1
-        sent, done = asyncio.run(one_request())
-        assert all(not sent <= t <= done for t in trims)  # 24 steps back to back: no trim
+        asyncio.run(one_request())
+        first, last = step_times[0], step_times[-1]
+        assert all(not first <= t <= last for t in trims)  # 24 steps back to back: no trim
         wait_for(2)  # idle again after the request: one more
         time.sleep(0.5)
         assert len(trims) == 2
