@@ -791,6 +791,13 @@ class CompiledDecoder:
             # input makes them skip the CUDA graph. The pool never moves, so say so (guard=False:
             # no guard on the pool's identity; each engine compiles graphs of its own anyway).
             torch._dynamo.mark_static_address(kv, guard=False)
+        # The pool's K/V axis, layers, KV heads and head size never change: constants of every
+        # graph. Left to dynamic=True they are symbols, and dynamo's duck sizing gave the K/V
+        # axis (2) and a first block table of width 2 one symbol, so the next width compiled
+        # the one-row graph again (on a Zen 2: 110 s of a cold start, 12 s of a warm one). Its
+        # block count stays dynamic: engines with other pool sizes share inductor's cached code.
+        for dim in (0, 1, 3, 4):  # (2, L, num_slots, n_kv, D)
+            torch._dynamo.mark_static(kv, dim)
         # On a CPU the decode graphs call their ~300 kernels from C++ (``cpp_wrapper``): ~1 ms
         # of a 25-38 ms one-row step here. Not the flat step's 48 small graphs a step, where the
         # C++ entry cost more than it saved; not CUDA, where the graphs replay as CUDA graphs.
@@ -872,6 +879,8 @@ class CompiledDecoder:
         """Compile every graph up front: batch 1 (its own graph on CPU) at two table widths,
         each few-rows graph (``few_rows_buckets``) likewise, then two larger batch shapes, which
         make the sizes dynamic; then the flat step's two."""
+        from torch._dynamo.utils import counters  # dynamo is loaded by now (torch.compile)
+
         start = time.perf_counter()
         # (rows, table width, what the log calls it): each few-rows bucket takes the row
         # counts above the bucket below it
@@ -883,7 +892,7 @@ class CompiledDecoder:
         many = below[-1] + 1
         shapes += [(many, 2, f"{many}+ (dynamic)"), (many + 1, 3, f"{many}+ (dynamic)")]
         for rows, width, what in shapes:
-            shape_start = time.perf_counter()
+            shape_start, graphs_before = time.perf_counter(), counters["stats"]["unique_graphs"]
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
             logits = self.logits(batch)
             noise = torch.ones(rows, vocab_size, device=self.device)
@@ -891,8 +900,10 @@ class CompiledDecoder:
                 self.sample(logits, [params] * rows, noise)
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
-            logger.info("compile warm-up: batch %s, block table %d: %.1f s", what, width,
-                        time.perf_counter() - shape_start)
+            # the second width of a batch compiles nothing: the table width is dynamic
+            logger.info("compile warm-up: batch %s, block table %d: %.1f s, %d new graphs", what,
+                        width, time.perf_counter() - shape_start,
+                        counters["stats"]["unique_graphs"] - graphs_before)
         if self.flat is not None:
             self.flat.warmup(self.block_size, self.scratch_block, self.device)
         self.compile_seconds = time.perf_counter() - start
