@@ -11,7 +11,7 @@ sequence. Here the whole per-token pipeline is a pure function of a few tensors:
     input_ids (B,), seq_lens (B,), block_tables (B, NB)
       ─▶ positions = seq_lens - 1, slots from the block tables      (on the device)
       ─▶ model forward with paged decode attention                  (one graph)
-      ─▶ logits ─▶ temperature / top-k / top-p / min-p ─▶ exponential race
+      ─▶ logits ─▶ temperature / top-k / top-p / min-p ─▶ inverse-CDF draw
 
 and ``torch.compile`` turns it into fused kernels (inductor C++ on CPU, Triton on CUDA), with
 dynamic shapes so that a new batch size or context length does not recompile. On CUDA the
@@ -65,12 +65,13 @@ from minivllm.sampling import (
     Sampler,
     SamplerOutput,
     SamplingParams,
-    exponential_noise,
     greedy_tokens,
+    inverse_cdf,
     mask_min_p,
     mask_top_k,
     mask_top_p,
     process_logits,
+    uniform_draws,
 )
 from minivllm.scheduler import RunnerOutput, SchedulerOutput, Sequence
 
@@ -151,14 +152,15 @@ def decode_logits(model: torch.nn.Module, kv: torch.Tensor, input_ids: torch.Ten
 
 
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor,
                   use_filters: bool) -> torch.Tensor:
-    """Batched sampling with the noise drawn outside (so per-request seeds work): (B, V) -> (B,)."""
+    """Batched sampling with the (B,) uniforms drawn outside (so per-request seeds work):
+    (B, V) logits -> (B,) token ids."""
     greedy = greedy_tokens(logits)  # notebook 03's argmax
     scaled = logits / temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
     if use_filters:
         scaled = mask_min_p(mask_top_p(mask_top_k(scaled, top_k), top_p), min_p)
-    sampled = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
+    sampled = inverse_cdf(scaled.softmax(dim=-1), u)  # notebook 03's draw
     return torch.where(temperature < GREEDY_EPS, greedy, sampled)
 
 
@@ -854,13 +856,13 @@ class CompiledDecoder:
             torch._dynamo.mark_static(t, 0)
         return self._few_rows(model, kv, *inputs, block_size)[:rows]
 
-    def sample(self, logits: torch.Tensor, params: list, noise: torch.Tensor) -> torch.Tensor:
-        """Tokens for (B, V) logits with (B, V) exponential noise drawn by the caller."""
+    def sample(self, logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+        """Tokens for (B, V) logits with (B,) uniforms drawn by the caller."""
         rows = len(params)
         pad = bucket(rows, self.on_cuda, self.min_rows) - rows  # padded rows: greedy, dropped
         if pad:
             logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
-            noise = torch.cat([noise, noise.new_ones(pad, noise.shape[1])])
+            u = torch.cat([u, u.new_zeros(pad)])
 
         def column(values: list, dtype: torch.dtype, fill) -> torch.Tensor:
             return _dynamic(torch.tensor(values + [fill] * pad, dtype=dtype, device=self.device), 0)
@@ -871,7 +873,7 @@ class CompiledDecoder:
                               column([p.top_k for p in params], torch.long, 0),
                               column([p.top_p for p in params], torch.float32, 1.0),
                               column([p.min_p for p in params], torch.float32, 0.0),
-                              _dynamic(noise, 0), use_filters)
+                              _dynamic(u, 0), use_filters)
         return tokens[:rows]
 
     @torch.inference_mode()  # the engine decodes in inference mode: compile for that mode
@@ -895,9 +897,9 @@ class CompiledDecoder:
             shape_start, graphs_before = time.perf_counter(), counters["stats"]["unique_graphs"]
             batch = DecodeInputs([0] * rows, [1] * rows, [[self.scratch_block] * width] * rows)
             logits = self.logits(batch)
-            noise = torch.ones(rows, vocab_size, device=self.device)
+            u = torch.full((rows,), 0.5, dtype=torch.float64, device=self.device)
             for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5)):
-                self.sample(logits, [params] * rows, noise)
+                self.sample(logits, [params] * rows, u)
             if self.on_cuda:
                 torch.cuda.synchronize(self.device)
             # the second width of a batch compiles nothing: the table width is dynamic
@@ -1209,7 +1211,6 @@ class CompiledRunner(ModelRunner):
         if all(p.is_greedy for p in params):
             tokens = greedy_tokens(processed)
         else:
-            noise = exponential_noise(len(seqs), logits.shape[-1],
-                                      [s.generator for s in seqs], self.device)
-            tokens = self._decoder.sample(processed, params, noise)
+            u = uniform_draws(len(seqs), [s.generator for s in seqs], self.device)
+            tokens = self._decoder.sample(processed, params, u)
         return Sampler.logprobs(logits, tokens, params)  # of the raw logits, as vLLM

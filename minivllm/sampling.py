@@ -11,17 +11,19 @@ batch holds:
 
     logits ─▶ allowed ids / bad words / min_tokens masks ─▶ + logit_bias ─▶ penalties
            ─▶ / temperature ─▶ top-k ─▶ top-p ─▶ min-p ─▶ softmax
-           ─▶ exponential race (argmax of p / q, q ~ Exp(1))  ─▶ token ids
+           ─▶ inverse CDF (one uniform a row)  ─▶ token ids
 
 The first line is vLLM's logits processors, in vLLM's order, on the raw logits; they run
 only on the rows whose requests ask for them, and not at all in a batch where none does.
 Reported logprobs are those of the raw logits, before any of it (vLLM's default
 ``logprobs_mode="raw_logprobs"``).
 
-The exponential race (gpt-fast, nano-vllm) draws the same distribution as
-``torch.multinomial`` without a host sync, and makes per-request seeds easy: a seeded
-request draws its own row of noise from its own ``torch.Generator``, so its tokens do not
-depend on what else is in the batch.
+The inverse-CDF draw takes one uniform a row and finds where it lands in the row's running
+sum: the distribution of ``torch.multinomial``, without a host sync, and one random number
+a row where the exponential race of gpt-fast, nano-vllm and vLLM takes one a token (on a
+CPU, drawing that noise costs more than the rest of the sampler together). Per-request seeds are easy: a seeded
+request draws its uniform from its own ``torch.Generator``, so its tokens do not depend on
+what else is in the batch.
 """
 
 from __future__ import annotations
@@ -234,27 +236,39 @@ def mask_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def exponential_noise(rows: int, vocab: int, generators: list[torch.Generator | None],
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """q ~ Exp(1), shape (rows, vocab). Rows with a generator draw their own noise from it
+def uniform_draws(rows: int, generators: list[torch.Generator | None],
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """u ~ Uniform[0, 1) in float64, shape (rows,). Rows with a generator draw theirs from it
     (per-request seeds); the others share one batched draw from the global generator."""
-    # -log(u) for u ~ Uniform[0, 1) is Exp(1) (inverting its CDF, 1 - exp(-q)). In float64:
-    # 53 random bits keep the small q that win the race apart (float32's 24 would round
-    # them to steps of 6e-8), and on a CPU it is still 2x faster than Tensor.exponential_.
-    q = torch.rand(rows, vocab, dtype=torch.float64, device=device).log_().neg_().float()
+    u = torch.rand(rows, dtype=torch.float64, device=device)
     for row, gen in enumerate(generators):
-        if gen is not None:
-            u = torch.rand(vocab, dtype=torch.float64, generator=gen)  # on the CPU: its generator
-            q[row] = u.log_().neg_().float().to(device)
-    return q
+        if gen is not None:  # a CPU generator draws on the CPU
+            u[row] = torch.rand((), dtype=torch.float64, generator=gen).to(device)
+    return u
 
 
-def exponential_race(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """Sample one token per row: argmax(p / q) with q ~ Exp(1) is a draw from p."""
-    q = exponential_noise(probs.shape[0], probs.shape[-1], generators, probs.device)
-    return (probs / q).argmax(dim=-1)
+CDF_CHUNK = 128  # tokens a chunk in inverse_cdf's first level
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row: (B, V) probabilities (not necessarily normalised) and (B,) uniforms
+    -> (B,) int64, the first token whose running sum exceeds u times the row's total."""
+    rows, vocab = probs.shape
+    chunks = -(-vocab // CDF_CHUNK)
+    if vocab % CDF_CHUNK:  # zeros at the end: tokens that are never drawn
+        probs = torch.nn.functional.pad(probs, (0, chunks * CDF_CHUNK - vocab))
+    blocks = probs.view(rows, chunks, CDF_CHUNK)  # (B, chunks, C)
+    upto = blocks.sum(-1).double().cumsum(-1)  # (B, chunks): mass of chunks 0..j
+    target = u.unsqueeze(-1) * upto[:, -1:]  # (B, 1), below the total: u < 1 in float64
+    chunk = torch.searchsorted(upto, target, right=True).clamp(max=chunks - 1)  # (B, 1)
+    before = torch.where(chunk > 0, upto.gather(-1, (chunk - 1).clamp(min=0)), 0.0)  # (B, 1)
+    inside = blocks.gather(1, chunk.unsqueeze(-1).expand(-1, -1, CDF_CHUNK)).squeeze(1)
+    inside = inside.double().cumsum(-1)  # (B, C): the chosen chunk's running sum
+    rest = (target - before) / (upto.gather(-1, chunk) - before) * inside[:, -1:]
+    # the two subtractions can round alike and make the ratio 1: keep below the chunk's total
+    rest = torch.minimum(rest, inside[:, -1:].nextafter(torch.zeros_like(rest)))  # (B, 1)
+    within = torch.searchsorted(inside, rest, right=True).clamp(max=CDF_CHUNK - 1)
+    return (chunk * CDF_CHUNK + within).squeeze(-1)
 
 
 def token_counts(token_ids: list[list[int]], vocab: int,
@@ -390,7 +404,8 @@ class Sampler:
         greedy_ids = greedy_tokens(logits)  # (B,)
         if bool(greedy.all()):
             return greedy_ids
-        sampled_ids = exponential_race(sampling_probs(logits, params), generators)
+        u = uniform_draws(len(params), generators, logits.device)  # (B,)
+        sampled_ids = inverse_cdf(sampling_probs(logits, params), u)
         return torch.where(greedy, greedy_ids, sampled_ids)
 
     @staticmethod

@@ -37,8 +37,8 @@ def _graders(sch, smp):
         "top_k": lambda: checks.check_top_k(smp.mask_top_k),
         "top_p": lambda: checks.check_top_p(smp.mask_top_p),
         "min_p": lambda: checks.check_min_p(smp.mask_min_p),
-        "noise": lambda: checks.check_exponential_noise(smp.exponential_noise),
-        "race": lambda: checks.check_exponential_race(smp.exponential_race),
+        "uniforms": lambda: checks.check_uniform_draws(smp.uniform_draws),
+        "inverse_cdf": lambda: checks.check_inverse_cdf(smp.inverse_cdf),
         "penalties": lambda: checks.check_penalties(smp.apply_penalties),
     }
 
@@ -59,8 +59,9 @@ def test_every_exercise_is_a_stub(learner):
         "Exercise 3.3: mask_top_k": lambda: smp.mask_top_k(torch.zeros(1, 4), torch.tensor([1])),
         "Exercise 3.3: mask_top_p": lambda: smp.mask_top_p(torch.zeros(1, 4), torch.tensor([0.5])),
         "Exercise 3.3: mask_min_p": lambda: smp.mask_min_p(torch.zeros(1, 4), torch.tensor([0.1])),
-        "Exercise 3.4: exponential_noise": lambda: smp.exponential_noise(1, 4, [None]),
-        "Exercise 3.4: exponential_race": lambda: smp.exponential_race(torch.ones(1, 4) / 4, [None]),
+        "Exercise 3.4: uniform_draws": lambda: smp.uniform_draws(1, [None]),
+        "Exercise 3.4: inverse_cdf": lambda: smp.inverse_cdf(torch.ones(1, 4) / 4,
+                                                             torch.zeros(1, dtype=torch.float64)),
         "Exercise 3.5: apply_penalties": lambda: smp.apply_penalties(
             torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(1),
             torch.zeros(1), torch.ones(1)),
@@ -114,14 +115,25 @@ SAMPLING_MUTANTS = {
     "min_p uses an absolute threshold": (
         "min_p", [("probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(-1)",
                    "min_p.unsqueeze(-1)")]),
-    "race takes the argmax of p (greedy)": (
-        "race", [("return (probs / q).argmax(dim=-1)", "return probs.argmax(dim=-1)")]),
-    "race multiplies by the noise": (
-        "race", [("return (probs / q).argmax(dim=-1)", "return (probs * q).argmax(dim=-1)")]),
-    "noise ignores the per-request generators (race)": (
-        "race", [("if gen is not None:", "if False:")]),
-    "noise ignores the per-request generators": ("noise", [("if gen is not None:", "if False:")]),
-    "noise is uniform, not exponential": ("noise", [(".log_().neg_()", "")]),
+    "uniforms ignore the per-request generators": (
+        "uniforms", [("if gen is not None:  # a CPU generator draws on the CPU", "if False:")]),
+    "uniforms in float32": (
+        "uniforms", [("u = torch.rand(rows, dtype=torch.float64, device=device)",
+                      "u = torch.rand(rows, device=device)")]),
+    "inverse CDF finds the first token whose sum reaches the target (right=False)": (
+        "inverse_cdf", [("chunk = torch.searchsorted(upto, target, right=True)",
+                         "chunk = torch.searchsorted(upto, target)"),
+                        ("within = torch.searchsorted(inside, rest, right=True)",
+                         "within = torch.searchsorted(inside, rest)")]),
+    "inverse CDF ignores the row's total (assumes it is 1)": (
+        "inverse_cdf", [("target = u.unsqueeze(-1) * upto[:, -1:]", "target = u.unsqueeze(-1)")]),
+    "inverse CDF sums in float32": (
+        "inverse_cdf", [("upto = blocks.sum(-1).double().cumsum(-1)",
+                         "upto = blocks.sum(-1).cumsum(-1).double()"),
+                        ("inside = inside.double().cumsum(-1)", "inside = inside.cumsum(-1).double()")]),
+    "inverse CDF searches the chunk without rescaling the target to it": (
+        "inverse_cdf", [("rest = (target - before) / (upto.gather(-1, chunk) - before) * inside[:, -1:]",
+                         "rest = (target - before) / upto.gather(-1, chunk) * inside[:, -1:]")]),
     "repetition divides negative logits too": (
         "penalties", [("logits = torch.where(logits > 0, logits / scale, logits * scale)",
                        "logits = logits / scale")]),
@@ -159,7 +171,7 @@ def test_engine_check(learner, random_engine_model, capsys):
     with pytest.raises(AssertionError, match="not implemented yet"):
         checks.check_engine(LLMEngine, stub.Scheduler, stub.Sequence, smp.Sampler,
                             random_engine_model)
-    unseeded = mutant(ref_sampling, ("if gen is not None:", "if False:"))
+    unseeded = mutant(ref_sampling, ("if gen is not None:  # a CPU generator draws on the CPU", "if False:"))
     with pytest.raises(AssertionError, match="seeded request"):
         checks.check_engine(LLMEngine, sch.Scheduler, sch.Sequence, unseeded.Sampler,
                             random_engine_model)

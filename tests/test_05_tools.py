@@ -1,6 +1,6 @@
 """The benchmark's tools (notebook 05): tools/roofline.py, the stand-alone roofline report, on
 the bundled tiny model; tools/weight_bandwidth.py; tools/startup_time.py; tools/cuda_session.sh;
-and the experiments bench/experiments/omp_threads.py, ttft_timeline.py, noise_ab.py and
+and the experiments bench/experiments/omp_threads.py, ttft_timeline.py, sampler_ab.py and
 schedule_sim.py."""
 
 from __future__ import annotations
@@ -155,27 +155,29 @@ def test_ttft_timeline_orders_requests_by_sending_time():
     assert rows[2]["error"] == "HTTP 400" and "ttft_s" not in rows[2]
 
 
-def test_noise_ab_arms_draw_the_same_distribution(tiny_model):
-    """bench/experiments/noise_ab.py: both arms are Exp(1) noise (mean and variance 1) of
-    the asked shape, a seeded row follows its generator in each, and the step level runs
-    real engine steps with each arm, leaving the package's noise in place."""
+def test_sampler_ab_arms_draw_the_same_distribution(tiny_model):
+    """bench/experiments/sampler_ab.py: both arms (the exponential race, the package's inverse
+    CDF) draw from p, a seeded row follows its generator in each, and the step level runs
+    real compiled engine steps with each arm, leaving the package's sampler in place."""
     import minivllm.compile
     import minivllm.sampling
 
-    tool = load_module(REPO / "bench" / "experiments" / "noise_ab.py", "noise_ab")
-    for noise in tool.ARMS.values():
-        q = noise(3, 40_000, [None, torch.Generator().manual_seed(7), None])
-        assert q.shape == (3, 40_000) and q.dtype == torch.float32 and bool((q > 0).all())
-        assert q.mean().item() == pytest.approx(1.0, abs=0.02)
-        assert q.var().item() == pytest.approx(1.0, abs=0.05)
-        again = noise(1, 40_000, [torch.Generator().manual_seed(7)])
-        assert torch.equal(again[0], q[1])
+    tool = load_module(REPO / "bench" / "experiments" / "sampler_ab.py", "sampler_ab")
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    for name, draw in tool.DRAWS.items():
+        torch.manual_seed(0)
+        tokens = draw(p.repeat(8000, 1), [None] * 8000)
+        freq = tokens.bincount(minlength=5) / 8000
+        assert freq.tolist() == pytest.approx(p.tolist(), abs=0.02), name
+        seeded = [torch.Generator().manual_seed(7), None]
+        assert draw(p.repeat(2, 1), seeded)[0] == draw(p[None], [torch.Generator().manual_seed(7)])[0]
     draws = tool.time_draws(2, 1000, rounds=2)
-    assert {name: len(t) for name, t in draws.items()} == {name: 2 for name in tool.ARMS}
+    assert {name: len(t) for name, t in draws.items()} == {name: 2 for name in tool.DRAWS}
     steps = tool.time_steps(str(tiny_model), rows=2, rounds=2)
-    assert all(len(t) == 2 and min(t) > 0 for t in steps.values())
-    assert minivllm.sampling.exponential_noise is minivllm.compile.exponential_noise \
-        is tool.PACKAGE_NOISE
+    assert {name: len(t) for name, t in steps.items()} == {"race": 2, "inverse CDF": 2,
+                                                          "logits alone": 4}
+    assert all(min(t) > 0 for t in steps.values())
+    assert minivllm.compile.uniform_draws is minivllm.sampling.uniform_draws
 
 
 def test_schedule_sim_times_steps_by_its_cost_model():

@@ -89,8 +89,10 @@ MUTANTS = {
     # 7.3 sample_logits
     "temperature-0 rows sampled instead of argmax": (
         "sample", [("return torch.where(temperature < GREEDY_EPS, greedy, sampled)", "return sampled")]),
-    "noise multiplied instead of divided": (
-        "sample", [("(scaled.softmax(dim=-1) / noise)", "(scaled.softmax(dim=-1) * noise)")]),
+    "the draw from the raw logits' distribution": (
+        "sample", [("inverse_cdf(scaled.softmax(dim=-1), u)", "inverse_cdf(logits.softmax(dim=-1), u)")]),
+    "the uniforms reversed": (
+        "sample", [("inverse_cdf(scaled.softmax(dim=-1), u)", "inverse_cdf(scaled.softmax(dim=-1), 1 - u)")]),
     "filters before the temperature": (
         "sample", [(("    scaled = logits / temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)\n"
                      "    if use_filters:\n"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import os
 import random
-from collections import Counter
 from unittest import mock
 
 from .grading import assert_equal, exercise, passed, require
@@ -297,83 +297,96 @@ def check_min_p(mask_min_p) -> None:
     passed("Exercise 3.3 (mask_min_p)", "5 rows: per-row min_p, relative threshold")
 
 
-# ----------------------------------------------------------------------------- the race
+# ----------------------------------------------------------------------------- the draw
 
 
-def check_exponential_noise(exponential_noise) -> None:
-    """Exercise 3.4: Exp(1) noise of the right shape; a seeded row depends only on its own
+def check_uniform_draws(uniform_draws) -> None:
+    """Exercise 3.4: (rows,) float64 uniforms in [0, 1); a seeded row depends only on its own
     generator; unseeded rows differ from each other."""
     import torch
 
-    what = "Exercise 3.4 (exponential_noise)"
-    seeds = [5, None, 6, None]
-    make = lambda: [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    what = "Exercise 3.4 (uniform_draws)"
+    seeds = [5, None, 6, None] * 500
+    make = lambda: [None if s is None else torch.Generator().manual_seed(s + i)
+                    for i, s in enumerate(seeds)]
     with exercise(what):
-        q = exponential_noise(4, 3000, make(), "cpu")
-    require(isinstance(q, torch.Tensor) and q.shape == (4, 3000), what,
-            f"expected a (4, 3000) tensor, got {getattr(q, 'shape', type(q).__name__)}")
-    require(q.dtype.is_floating_point and bool((q > 0).all()), what,
-            "Exp(1) noise is positive floating point")
-    means = q.mean(-1).tolist()
-    require(all(abs(m - 1) < 0.1 for m in means), what,
-            f"row means {[round(m, 3) for m in means]}; Exp(1) has mean 1",
-            "use Tensor.exponential_() (rate 1), or -log of a uniform; not rand or randn alone")
-    require(not torch.equal(q[1], q[3]), what, "two unseeded rows got the same noise")
-    for row, seed in enumerate(seeds):
-        if seed is None:
-            continue
-        alone = exponential_noise(1, 3000, [torch.Generator().manual_seed(seed)], "cpu")[0]
-        require(torch.equal(alone, q[row]), what,
-                f"row {row} (seed {seed}) differs from the same seed drawn alone",
+        u = uniform_draws(len(seeds), make(), "cpu")
+    require(isinstance(u, torch.Tensor) and u.shape == (len(seeds),), what,
+            f"expected a ({len(seeds)},) tensor, got {getattr(u, 'shape', type(u).__name__)}")
+    require(u.dtype == torch.float64, what, f"expected float64 draws, got {u.dtype}",
+            "torch.rand(..., dtype=torch.float64): 53 random bits")
+    require(bool(((u >= 0) & (u < 1)).all()), what, "uniforms lie in [0, 1)")
+    require(abs(u.mean().item() - 0.5) < 0.03 and abs(u.var().item() - 1 / 12) < 0.01, what,
+            f"mean {u.mean().item():.3f}, variance {u.var().item():.4f}; Uniform[0, 1) has 0.5 "
+            "and 1/12", "draw with torch.rand, not randn")
+    unseeded = u[1::2]
+    require(unseeded.unique().numel() == unseeded.numel(), what,
+            "two unseeded rows got the same draw")
+    for row in (0, 2, 1000, 1998):
+        alone = uniform_draws(1, [torch.Generator().manual_seed(seeds[row] + row)], "cpu")[0]
+        require(torch.equal(alone, u[row]), what,
+                f"row {row} (seed {seeds[row] + row}) differs from the same seed drawn alone",
                 "draw a seeded row from its own generator only")
-    passed(what, "Exp(1), seeded rows independent of the batch")
+    passed(what, "Uniform[0, 1) in float64, seeded rows independent of the batch")
 
 
-def check_exponential_race(exponential_race) -> None:
-    """Exercise 3.4: right shape and dtype, draws follow p (zero-probability tokens never
-    drawn), seeded rows reproducible and independent of the rest of the batch."""
+def check_inverse_cdf(inverse_cdf) -> None:
+    """Exercise 3.4: the token where u * total lands in the running sum, for hand-worked
+    rows (boundaries, zero-probability tokens, unnormalised rows), a vocabulary that is not a
+    multiple of any chunk, a float64-precise tail, and 4000 evenly spread draws following p."""
     import torch
 
-    what = "Exercise 3.4 (exponential_race)"
-    probs = torch.tensor([0.6, 0.25, 0.1, 0.05, 0.0])
-    rows = 4000
-    gens = [torch.Generator().manual_seed(1000 + i) for i in range(rows)]
+    what = "Exercise 3.4 (inverse_cdf)"
+    hint = ("the first token whose running sum is greater than u * total "
+            "(torch.searchsorted(cdf, target, right=True)), the running sum in float64")
+    p = torch.tensor([0.25, 0.0, 0.25, 0.5, 0.0])
+    cases = [(0.0, 0), (0.2499, 0), (0.25, 2), (0.4999, 2), (0.5, 3), (0.99, 3),
+             (1 - 2**-53, 3)]
+    u = torch.tensor([c[0] for c in cases], dtype=torch.float64)
     with exercise(what):
-        tokens = exponential_race(probs.repeat(rows, 1), gens)
-    require(isinstance(tokens, torch.Tensor) and tokens.shape == (rows,), what,
-            f"expected a ({rows},) tensor of token ids, got {getattr(tokens, 'shape', tokens)}")
-    require(tokens.dtype == torch.int64, what, f"token ids must be int64, got {tokens.dtype}")
-    freq = Counter(tokens.tolist())
-    require(freq[4] == 0, what, "drew a token of probability 0")
-    for token, p in enumerate(probs.tolist()[:4]):
-        require(abs(freq[token] / rows - p) < 0.03, what,
-                f"token {token} drawn {freq[token] / rows:.3f} of the time, p = {p}",
-                "argmax(p / q) with q ~ Exp(1) is a draw from p (argmax(p) is greedy)")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        unseeded = Counter(exponential_race(probs.repeat(rows, 1), [None] * rows).tolist())
-    require(abs(unseeded[0] / rows - 0.6) < 0.03 and unseeded[4] == 0, what,
-            f"rows without a generator: frequencies {dict(unseeded)} do not follow p")
-    # A seeded row must not depend on its neighbours: alone == inside a batch.
-    rng = random.Random(3)
-    batch = torch.tensor([[rng.random() for _ in range(50)] for _ in range(6)])
-    batch = batch ** 4 / (batch ** 4).sum(-1, keepdim=True)
-    seeds = [11, None, 12, 13, None, 14]
-    make = lambda: [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-    together = exponential_race(batch, make()).tolist()
-    for row, seed in enumerate(seeds):
-        if seed is None:
-            continue
-        alone = exponential_race(batch[row:row + 1], [torch.Generator().manual_seed(seed)])
-        require(int(alone[0]) == together[row], what,
-                f"row {row} (seed {seed}) drew {together[row]} inside the batch but "
-                f"{int(alone[0])} alone", "draw a seeded row's noise from its own generator")
-    again = exponential_race(batch, make()).tolist()
-    require([again[r] for r in (0, 2, 3, 5)] == [together[r] for r in (0, 2, 3, 5)], what,
-            "the same seeds gave different tokens")
-    require(len({exponential_race(batch[:1], [torch.Generator().manual_seed(s)]).item()
-                  for s in range(40)}) > 3, what, "40 different seeds gave (almost) one token")
-    passed(what, f"{rows} seeded draws follow p within 0.03; seeded rows independent of the batch")
+        got = inverse_cdf(p.repeat(len(cases), 1), u)
+    require(isinstance(got, torch.Tensor) and got.shape == (len(cases),), what,
+            f"expected a ({len(cases)},) tensor of token ids, got {getattr(got, 'shape', got)}")
+    require(got.dtype == torch.int64, what, f"token ids must be int64, got {got.dtype}")
+    for (ui, want), token in zip(cases, got.tolist()):
+        require(token == want, what, f"p = {p.tolist()}, u = {ui}: drew token {token}, expected "
+                f"{want} (a token of probability 0 is never drawn)", hint)
+    scaled = inverse_cdf(3 * p.repeat(len(cases), 1), u).tolist()
+    require(scaled == got.tolist(), what, "a row scaled by 3 drew other tokens: the target is "
+            "u times the row's own total", hint)
+    lead = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    require(inverse_cdf(lead, torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)).tolist()
+            == [2, 2], what, "a row whose only token is its last: u = 0 and u -> 1 must both "
+            "draw it", hint)
+    vocab = 3001  # not a multiple of a chunk
+    g = torch.Generator().manual_seed(0)
+    dist = torch.softmax(torch.randn(vocab, generator=g) * 2, -1)
+    dist[vocab - 1] = 0.0
+    draws = 4000
+    spread = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws  # evenly spread u
+    tokens = inverse_cdf(dist.repeat(draws, 1), spread)
+    require(int(tokens.max()) < vocab - 1, what, "drew a token of probability 0", hint)
+    cdf = dist.double().cumsum(0)
+    expected = torch.searchsorted(cdf, spread * cdf[-1], right=True)
+    off = int((tokens != expected).sum())  # a boundary within float32's rounding: 1 or 2
+    require(off <= 2, what, f"{off} of {draws} evenly spread draws landed on other tokens "
+            "than the running sum says", hint)
+    # a likely token, then 149,999 of 1e-9 each: ten targets in the middle of ten tail tokens
+    # in a row (across 128- and 256-token boundaries) must draw ten tokens in a row, each once
+    tail = torch.full((10, 150_000), 1e-9)
+    tail[:, 0] = 1.0
+    step = float(tail[0, 1])
+    total = 1.0 + 149_999 * step
+    first = 99_965  # tokens 99,965 ... 99,974 straddle 99,968 = 781 * 128
+    aims = torch.tensor([(1.0 + (first - 1 + k + 0.5) * step) / total for k in range(10)],
+                        dtype=torch.float64)
+    far = inverse_cdf(tail, aims).tolist()
+    require(all(b - a == 1 for a, b in itertools.pairwise(far)) and abs(far[0] - first) <= 200, what,
+            f"a row of one token of 1.0 and 149,999 of 1e-9: targets in the middle of tokens "
+            f"{first} ... {first + 9} drew {far}; expected ten tokens in a row near {first}",
+            "a running sum in float32 cannot tell 1.0 + 1e-9 from 1.0: sum in float64")
+    passed(what, f"hand-worked boundaries, {draws} evenly spread draws over {vocab} tokens, a "
+           "float64-precise tail")
 
 
 # ----------------------------------------------------------------------------- penalties
@@ -531,7 +544,7 @@ def check_engine(LLMEngine, Scheduler, Sequence, Sampler, model: str | None = No
                      what=f"{what}: prompt {i} ({len(prompt)} tokens) vs transformers greedy")
     assert_equal(final["s"].outputs[0].token_ids, alone["s-alone"].outputs[0].token_ids,
                  what=f"{what}: seeded request inside the batch vs alone",
-                 hint="a seeded row must draw its noise from its own generator")
+                 hint="a seeded row must draw its uniform from its own generator")
     bm = engine.block_manager
     require(bm.num_free_blocks == engine.num_blocks and all(b.ref_count == 0 for b in bm.blocks),
             what, f"{bm.num_free_blocks} of {engine.num_blocks} blocks free at the end")

@@ -243,7 +243,7 @@ def check_bucket_padding(CompiledDecoder, DecodeInputs) -> None:
 
 SAMPLE_HINT = ("greedy rows (temperature 0) take argmax of the raw logits; the others divide by "
                "the temperature (clamped away from 0), apply top-k, top-p, min-p in that order "
-               "when use_filters, softmax, then race: argmax(probs / noise)")
+               "when use_filters, softmax, then notebook 03's inverse_cdf(probs, u)")
 
 
 def _generators(seeds: list[int]) -> list[torch.Generator]:
@@ -255,9 +255,9 @@ def _column(params: list, field: str, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_sample_logits(sample_logits) -> None:
-    """Exercise 7.3: tokens equal Milestone 3's Sampler on the same exponential noise, for
+    """Exercise 7.3: tokens equal Milestone 3's Sampler on the same seeded uniforms, for
     batches mixing greedy, plain-temperature and filtered rows."""
-    from minivllm.sampling import Sampler, SamplingParams, exponential_noise
+    from minivllm.sampling import Sampler, SamplingParams, uniform_draws
 
     what = "Exercise 7.3 (sample_logits)"
     vocab = 48
@@ -283,13 +283,13 @@ def check_sample_logits(sample_logits) -> None:
                     top, second = logits[row].topk(2).indices.tolist()
                     logits[row, second] = logits[row, top] - 1e-5
             seeds = [1000 * trial + row for row in range(len(params))]
-            noise = exponential_noise(len(params), vocab, _generators(seeds))
+            u = uniform_draws(len(params), _generators(seeds))
             expected = Sampler()(logits.clone(), params, _generators(seeds)).token_ids
             got = call_learner(what, sample_logits, logits.clone(),
                                _column(params, "temperature", torch.float32),
                                _column(params, "top_k", torch.long),
                                _column(params, "top_p", torch.float32),
-                               _column(params, "min_p", torch.float32), noise.clone(), use_filters,
+                               _column(params, "min_p", torch.float32), u.clone(), use_filters,
                                hint=SAMPLE_HINT)
             require(isinstance(got, torch.Tensor) and got.shape == (len(params),), what,
                     f"expected ({len(params)},) token ids, got "
@@ -300,4 +300,4 @@ def check_sample_logits(sample_logits) -> None:
                          hint=SAMPLE_HINT)
             rows_checked += len(params)
     passed("7.3 (sample_logits)", f"{rows_checked} rows equal Milestone 3's Sampler on the same "
-           "seeded noise (greedy, temperature, top-k, top-p, min-p)")
+           "seeded uniforms (greedy, temperature, top-k, top-p, min-p)")
