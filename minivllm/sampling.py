@@ -268,7 +268,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # the two subtractions can round alike and make the ratio 1: keep below the chunk's total
     rest = torch.minimum(rest, inside[:, -1:].nextafter(torch.zeros_like(rest)))  # (B, 1)
     within = torch.searchsorted(inside, rest, right=True).clamp(max=CDF_CHUNK - 1)
-    return (chunk * CDF_CHUNK + within).squeeze(-1)
+    # a row of NaN (or of zeros) lands anywhere, the padding too: keep its id a token's (the
+    # runner fails such a row by its logits; an id past the vocabulary would break the batch)
+    return (chunk * CDF_CHUNK + within).squeeze(-1).clamp(max=vocab - 1)
 
 
 def token_counts(token_ids: list[list[int]], vocab: int,

@@ -15,7 +15,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.engine import LLM, LLMEngine
-from minivllm.sampling import SamplingParams
+from minivllm.sampling import SamplingParams, inverse_cdf
 from minivllm.server.faults import FAULT_POINTS, InjectedFault, inject_faults
 
 MARKER = "POISON"
@@ -38,11 +38,11 @@ def _engine(model, speculative: bool = False) -> LLMEngine:
                                   speculative_config=SPEC if speculative else None))
 
 
-def _run(engine: LLMEngine, with_bad: bool, bad_at: int = 1) -> dict[str, object]:
+def _run(engine: LLMEngine, with_bad: bool, bad_at: int = 1, bad=BAD) -> dict[str, object]:
     """Run the good requests (and the poisoned one at ``bad_at``: it shares every step)."""
     requests = [(f"good-{i}", p, s) for i, (p, s) in enumerate(GOOD)]
     if with_bad:
-        requests.insert(bad_at, ("bad", *BAD))
+        requests.insert(bad_at, ("bad", *bad))
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
     final = {}
@@ -95,6 +95,16 @@ def test_a_planted_fault_fails_only_its_request(tiny_model, clean, point):
     inject_faults(engine, f"{point}:{MARKER}")
     final = _run(engine, with_bad=True)
     _assert_alone(engine, final, clean, "NaN or infinite" if point == "nan" else "injected fault")
+
+
+def test_nan_logits_of_a_sampled_request_fail_it_alone(tiny_model, clean):
+    """The poisoned request sampling (the OpenAI default, temperature 1) rather than greedy:
+    its row of NaN goes through the inverse-CDF draw and must still fail it alone."""
+    engine = _engine(tiny_model)
+    inject_faults(engine, f"nan:{MARKER}")
+    sampled = (BAD[0], SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))
+    final = _run(engine, with_bad=True, bad=sampled)
+    _assert_alone(engine, final, clean, "NaN or infinite")
 
 
 def test_nan_inside_the_model_is_scrubbed_from_the_pool(tiny_model, clean):
@@ -177,3 +187,20 @@ def test_a_fault_in_the_speculative_step_fails_only_its_request(
     assert hits, "the poisoned request never speculated"
     _assert_alone(engine, final, clean_speculative,
                   "NaN or infinite" if point == "nan" else "injected fault", greedy_only=True)
+
+
+def test_a_row_that_is_not_finite_still_draws_a_token_id_in_the_vocabulary():
+    """The sampler's inverse-CDF draw on a row of NaN, with an infinity, or of zeros returns
+    some token id inside the vocabulary: the runner then fails that row by its logits. An id
+    past the vocabulary (the search's zero padding) broke the whole batch at the runner's
+    gather of the chosen logits, failing every request of the step (the server's fault test
+    with a sampled poisoned request)."""
+    vocab = 4032  # not a multiple of the search's 128-token chunks: padded
+    probs = torch.rand(5, vocab)
+    probs[1] = float("nan")
+    probs[2, 7] = float("inf")
+    probs[3] = 0.0
+    probs[4, -1] = float("nan")
+    u = torch.tensor([0.0, 0.5, 0.99, 0.3, 1 - 2**-53], dtype=torch.float64)
+    tokens = inverse_cdf(probs, u)
+    assert tokens.shape == (5,) and bool(((tokens >= 0) & (tokens < vocab)).all()), tokens
