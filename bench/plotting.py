@@ -159,11 +159,19 @@ def group_slug(group: Group) -> str:
                                                                    group.dtype))
 
 
+def is_sampled(record: dict) -> bool:
+    """Whether the run's requests sampled (``--sampling-option temperature=...``) where the
+    benchmark's protocol is greedy."""
+    sampling = (record.get("env") or {}).get("sampling") or {}
+    return float(sampling.get("temperature") or 0) > 0
+
+
 def groups(records: list[dict]) -> dict[Group, list[dict]]:
-    """(model, device, dtype) -> its records, ramp runs left out (as the harness's table)."""
+    """(model, device, dtype) -> its records, ramp runs left out (as the harness's table), and
+    sampled runs too: the figures compare greedy runs, the benchmark's protocol."""
     out: dict[Group, list[dict]] = {}
     for r in records:
-        if not r.get("ramp"):
+        if not r.get("ramp") and not is_sampled(r):
             out.setdefault(group_of(r), []).append(r)
     return out
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from notebook_helpers import load_module
 
 from minivllm.bench.cli import main, parse_args
 from minivllm.bench.engines import (
@@ -682,8 +683,10 @@ def test_sampling_options_reach_the_in_process_engine(tiny_model):
     opts, _ = parse_args(["--engines", "minivllm", "--sampling-option", "repetition_penalty=1.3",
                           "--sampling-option", 'logit_bias={"13": -100}'])
     assert opts.sampling == {"repetition_penalty": 1.3, "logit_bias": {13: -100}}
-    for bad in (["--sampling-option", "temperature=1"], ["--sampling-option", "top_p=7"],
-                ["--engines", "transformers", "--sampling-option", "presence_penalty=1"]):
+    for bad in (["--sampling-option", "max_tokens=3"], ["--sampling-option", "top_p=7"],
+                ["--engines", "transformers", "--sampling-option", "presence_penalty=1"],
+                ["--engines", "transformers-serve", "--sampling-option", "temperature=1"],
+                ["--engines", "vllm", "--sampling-option", "repetition_penalty=1.1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
     engine = LLMEngine.from_options(str(tiny_model), num_blocks=16, max_model_len=64,
@@ -697,6 +700,34 @@ def test_sampling_options_reach_the_in_process_engine(tiny_model):
     drive_closed_loop(engine, requests, 1, sampling=opts.sampling)
     assert seen[0].repetition_penalty == 1.3 and seen[0].logit_bias == {13: -100.0}
     assert seen[0].max_tokens == 6 and seen[0].ignore_eos and seen[0].temperature == 0.0
+    sampled, _ = parse_args(["--engines", "minivllm", "--sampling-option", "temperature=1"])
+    drive_closed_loop(engine, requests, 1, sampling=sampled.sampling)
+    assert seen[1].temperature == 1.0 and seen[1].max_tokens == 6 and seen[1].ignore_eos
+
+
+def test_sampling_options_reach_the_servers_bodies():
+    """--sampling-option temperature=1 (the OpenAI default) for the servers: the fields go
+    on top of each request body (the greedy 0 replaced, max_tokens and ignore_eos kept), the
+    record's environment says so, and the plots leave sampled runs out of their greedy
+    figures; llama-server's body switches its default filters off."""
+    from minivllm.bench.clients import completion_payload
+    from minivllm.bench.engines import with_sampling
+    from minivllm.bench.metrics import BenchRequest
+    from minivllm.bench.peers import llama_server_payload
+
+    opts, _ = parse_args(["--engines", "minivllm-server,vllm,llama-server", "--sampling-option",
+                          "temperature=1", "--sampling-option", "seed=5"])
+    request = BenchRequest([1, 2, 3], 7)
+    body = with_sampling(completion_payload, opts.sampling)("m", request)
+    assert body["temperature"] == 1 and body["seed"] == 5
+    assert body["max_tokens"] == 7 and body["ignore_eos"] and body["prompt"] == [1, 2, 3]
+    assert with_sampling(completion_payload, {})("m", request)["temperature"] == 0.0
+    llama = with_sampling(llama_server_payload, opts.sampling)("m", request)
+    assert (llama["top_k"], llama["top_p"], llama["min_p"], llama["temperature"]) == (0, 1.0, 0.0, 1)
+    plotting = load_module(REPO / "bench" / "plotting.py", "plotting_sampled")
+    greedy = {"env": {"device": "cpu"}, "ramp": False}
+    assert not plotting.is_sampled(greedy)
+    assert plotting.is_sampled({**greedy, "env": {"device": "cpu", "sampling": {"temperature": 1}}})
 
 
 def test_the_environment_records_instruction_set_caps_and_ignores_its_own_results(

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from minivllm.bench.engines import (
     ENGINES,
+    HTTP_SAMPLING_FIELDS,
+    SAMPLING_FIELDS,
     BenchOptions,
     csv_list,
     parse_engine_options,
@@ -66,8 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention_backend=loop (repeatable); kv_cache_memory_bytes also sizes "
                         "transformers-serve's KV cache")
     p.add_argument("--sampling-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra SamplingParams field (JSON value) for the in-process minivllm "
-                        "engine, e.g. repetition_penalty=1.1 (repeatable)")
+                   help="a SamplingParams field (JSON value) for every request, e.g. "
+                        "temperature=1 (sampled, not greedy) or repetition_penalty=1.1 "
+                        "(repeatable); the servers take temperature, top_p, top_k, min_p, "
+                        "seed and the presence/frequency penalties, the in-process minivllm "
+                        "engine any field")
     p.add_argument("--base-url", help="the openai engine's server, e.g. http://host:8000/v1")
     p.add_argument("--label", default="", help="free-form tag, e.g. before/after a change")
     p.add_argument("--ramp", action="store_true",
@@ -118,8 +123,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchOptions, Path]:
                         not a.no_isolate, a.request_timeout, not a.no_warmup, a.repeat,
                         a.interleave, a.baseline, a.roofline,
                         parse_sampling_options(a.sampling_option))
-    if opts.sampling and any(parse_engine_spec(e)[0] != "minivllm" for e in engines):
-        p.error("--sampling-option applies to the in-process minivllm engine only")
+    for spec in engines if opts.sampling else ():
+        name = parse_engine_spec(spec)[0]
+        allowed = SAMPLING_FIELDS.get(name, ())
+        if allowed is not None and (refused := sorted(set(opts.sampling) - set(allowed))):
+            p.error(f"--sampling-option {', '.join(refused)}: not for {name} (the in-process "
+                    f"minivllm engine takes any SamplingParams field; minivllm-server, vllm, "
+                    f"llama-server and openai {', '.join(HTTP_SAMPLING_FIELDS)})")
     return opts, a.out or default_results_path(a.device)
 
 

@@ -43,7 +43,8 @@ def drive_closed_loop(engine, requests: list[BenchRequest], concurrency: int,
     every output that carries new tokens (``outputs[0].delta_token_ids``) is one streamed
     chunk that arrived at ``clock()``; a finished output also ends its request then.
     Request ``i`` is added as id ``str(i)`` with greedy ``ignore_eos`` sampling of exactly
-    ``output_len`` tokens (plus the ``sampling`` fields: penalties cost what they cost).
+    ``output_len`` tokens (the ``sampling`` fields on top: a temperature samples, penalties
+    cost what they cost).
     Returns one ``RequestResult`` per request, in order.
     """
     from minivllm.sampling import SamplingParams
@@ -53,8 +54,8 @@ def drive_closed_loop(engine, requests: list[BenchRequest], concurrency: int,
     while next_index < len(requests) or in_flight:
         while next_index < len(requests) and len(in_flight) < concurrency:
             request = requests[next_index]
-            params = SamplingParams(temperature=0.0, max_tokens=request.output_len,
-                                    ignore_eos=True, **(sampling or {}))
+            params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
+                                    max_tokens=request.output_len, ignore_eos=True)
             results[next_index].start = clock()
             engine.add_request(str(next_index), {"prompt_token_ids": request.prompt_token_ids},
                                params)

@@ -150,13 +150,25 @@ def parse_engine_options(pairs: list[str]) -> dict:
     return options
 
 
+# The sampling fields that every OpenAI-compatible server the harness drives (vLLM,
+# llama-server, minivllm's own) reads from a request body under these names: what
+# --sampling-option may set for them. The in-process minivllm engine takes every
+# SamplingParams field (None); an engine missing here takes none.
+HTTP_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                        "frequency_penalty")
+SAMPLING_FIELDS = {"minivllm": None, "minivllm-server": HTTP_SAMPLING_FIELDS,
+                   "vllm": HTTP_SAMPLING_FIELDS, "llama-server": HTTP_SAMPLING_FIELDS,
+                   "openai": HTTP_SAMPLING_FIELDS}
+
+
 def parse_sampling_options(pairs: list[str]) -> dict:
-    """``key=value`` strings -> extra SamplingParams fields for the in-process minivllm
-    engine (e.g. penalties, to measure what they cost); values are JSON. The harness keeps
-    its own greedy ``ignore_eos`` fields, so the work per request stays fixed."""
+    """``key=value`` strings -> SamplingParams fields for every request of the run (e.g.
+    ``temperature=1``, the OpenAI default, to measure sampled serving; penalties, to measure
+    what they cost); values are JSON. The harness keeps its own ``max_tokens`` and
+    ``ignore_eos``, so the work per request stays fixed whatever is sampled."""
     from minivllm.sampling import SamplingParams
 
-    fixed = ("temperature", "max_tokens", "ignore_eos", "n")
+    fixed = ("max_tokens", "ignore_eos", "n")
     names = [f.name for f in dataclasses.fields(SamplingParams)
              if f.init and f.name not in fixed]
     options: dict = {}
@@ -213,18 +225,29 @@ def apply_engine_spec(spec: str, opts: BenchOptions) -> tuple[str, str, BenchOpt
         opts, **own, engine_options={**opts.engine_options, **options})
 
 
+def with_sampling(payload: Payload, sampling: dict) -> Payload:
+    """``payload``'s bodies with the run's --sampling-option fields on top (a temperature
+    replaces the greedy 0)."""
+    if not sampling:
+        return payload
+    return lambda model, request: {**payload(model, request), **sampling}
+
+
 def _http_session(base_url: str, model: str, opts: BenchOptions, memory_pid, memory_kind,
                   info: dict, payload: Payload = completion_payload,
                   ready_after_s: float | None = None) -> Session:
     """A session over HTTP: requests name the model the server lists, bodies by ``payload``;
     a server the harness started records how long it took to answer ``/health``."""
     name = served_model_name(base_url, model)
+    payload = with_sampling(payload, opts.sampling)
 
     def run(requests, concurrency, on_finish):
         return run_openai_client(base_url, name, requests, concurrency, on_finish=on_finish,
                                  timeout_s=opts.request_timeout, payload=payload)
 
     info = {**info, "served_model_name": name}
+    if opts.sampling:
+        info["sampling"] = opts.sampling
     if ready_after_s is not None:
         info["ready_after_s"] = ready_after_s
     return Session(run, memory_pid, memory_kind, info)

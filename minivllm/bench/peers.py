@@ -125,5 +125,9 @@ def llama_server_command(exe: Path, gguf: Path, port: int, parallel: int, contex
 
 def llama_server_payload(model: str, request) -> dict:
     """The bench's completion body, plus ``cache_prompt: false``: llama-server would
-    otherwise reuse a slot's KV for a prompt's shared prefix, work the other engines do."""
-    return {**completion_payload(model, request), "cache_prompt": False}
+    otherwise reuse a slot's KV for a prompt's shared prefix, work the other engines do;
+    and its sampling filters off (its defaults are top-k 40, top-p 0.95, min-p 0.05, where
+    vLLM's and ours filter nothing), so that a sampled run draws from the whole vocabulary
+    in every engine (a --sampling-option sets them on top)."""
+    return {**completion_payload(model, request), "cache_prompt": False,
+            "top_k": 0, "top_p": 1.0, "min_p": 0.0}
