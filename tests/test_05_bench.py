@@ -707,9 +707,11 @@ def test_sampling_options_reach_the_in_process_engine(tiny_model):
 
 def test_sampling_options_reach_the_servers_bodies():
     """--sampling-option temperature=1 (the OpenAI default) for the servers: the fields go
-    on top of each request body (the greedy 0 replaced, max_tokens and ignore_eos kept), the
-    record's environment says so, and the plots leave sampled runs out of their greedy
-    figures; llama-server's body switches its default filters off."""
+    on top of each request body (the greedy 0 replaced, max_tokens and ignore_eos kept), and
+    the plots leave sampled runs out of their greedy figures; llama-server's body switches
+    its default filters off in a sampled run only."""
+    import functools
+
     from minivllm.bench.clients import completion_payload
     from minivllm.bench.engines import with_sampling
     from minivllm.bench.metrics import BenchRequest
@@ -722,8 +724,10 @@ def test_sampling_options_reach_the_servers_bodies():
     assert body["temperature"] == 1 and body["seed"] == 5
     assert body["max_tokens"] == 7 and body["ignore_eos"] and body["prompt"] == [1, 2, 3]
     assert with_sampling(completion_payload, {})("m", request)["temperature"] == 0.0
-    llama = with_sampling(llama_server_payload, opts.sampling)("m", request)
+    sampled = functools.partial(llama_server_payload, sampled=True)
+    llama = with_sampling(sampled, opts.sampling)("m", request)
     assert (llama["top_k"], llama["top_p"], llama["min_p"], llama["temperature"]) == (0, 1.0, 0.0, 1)
+    assert "top_k" not in llama_server_payload("m", request)  # greedy: its defaults, as measured
     plotting = load_module(REPO / "bench" / "plotting.py", "plotting_sampled")
     greedy = {"env": {"device": "cpu"}, "ramp": False}
     assert not plotting.is_sampled(greedy)

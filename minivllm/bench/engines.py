@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -399,7 +400,8 @@ def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
         yield _http_session(f"http://127.0.0.1:{port}/v1", str(path), opts, proc.pid, "rss",
                             {"device": device, "dtype": dtype, "command": cmd,
                              "gguf": str(gguf), "batching": "continuous"},
-                            llama_server_payload, ready_after_s=proc.ready_after_s)
+                            functools.partial(llama_server_payload, sampled=bool(opts.sampling)),
+                            ready_after_s=proc.ready_after_s)
 
 
 @contextlib.contextmanager

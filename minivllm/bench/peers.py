@@ -123,11 +123,12 @@ def llama_server_command(exe: Path, gguf: Path, port: int, parallel: int, contex
             "-c", str(context_tokens)]
 
 
-def llama_server_payload(model: str, request) -> dict:
+def llama_server_payload(model: str, request, sampled: bool = False) -> dict:
     """The bench's completion body, plus ``cache_prompt: false``: llama-server would
-    otherwise reuse a slot's KV for a prompt's shared prefix, work the other engines do;
-    and its sampling filters off (its defaults are top-k 40, top-p 0.95, min-p 0.05, where
-    vLLM's and ours filter nothing), so that a sampled run draws from the whole vocabulary
-    in every engine (a --sampling-option sets them on top)."""
-    return {**completion_payload(model, request), "cache_prompt": False,
-            "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    otherwise reuse a slot's KV for a prompt's shared prefix, work the other engines do.
+    ``sampled`` (a run with --sampling-option, whose fields go on top): its sampling filters
+    off too (its defaults are top-k 40, top-p 0.95, min-p 0.05, where vLLM's and ours filter
+    nothing), so that every engine draws from the whole vocabulary. A greedy run keeps its
+    defaults, as its greedy figures were measured."""
+    body = {**completion_payload(model, request), "cache_prompt": False}
+    return {**body, "top_k": 0, "top_p": 1.0, "min_p": 0.0} if sampled else body
