@@ -154,10 +154,15 @@ def greedy_accept(draft_ids: list[int], target_ids: list[int]) -> list[int]:
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from a normalised distribution (V,) by inverting its CDF with one uniform."""
-    u = torch.rand((), generator=generator)
-    cdf = probs.double().cumsum(0)
-    return int(torch.searchsorted(cdf, u.double()).clamp(max=probs.shape[0] - 1))
+    """One draw from a normalised distribution (V,) by inverting its CDF with one uniform: the
+    first token whose running sum exceeds u, so a token of probability 0 is never drawn (not
+    at u = 0 either); a u above the sum's rounded total takes the last token that has any
+    probability. (Notebook 03's ``inverse_cdf`` scales u to the row's own total; this one
+    does not, so an unnormalised input shows.)"""
+    u = torch.rand((), dtype=torch.float64, generator=generator)
+    cdf = probs.double().cumsum(0)  # (V,)
+    token = int(torch.searchsorted(cdf, u, right=True))
+    return min(token, int(probs.nonzero().max()))
 
 
 def rejection_sample(draft_ids: list[int], target_probs: torch.Tensor,

@@ -30,6 +30,7 @@ from minivllm.spec_decode import (
     ngram_propose,
     rejection_sample,
     rollback,
+    sample_from,
 )
 
 PROMPTS = [
@@ -105,6 +106,19 @@ def test_a_fixed_proposal_and_fixed_logits_give_a_known_accepted_length():
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     assert rejection_sample([1], p, None) == [1, 2]  # p(d) = 1: always kept, bonus certain
     assert rejection_sample([0], p, None) == [1]  # p(d) = 0: always replaced
+
+
+def test_a_draw_never_lands_on_a_token_of_probability_zero(monkeypatch):
+    """sample_from at the ends of [0, 1): u = 0 takes the first token that has probability
+    (not token 0, which has none), and a u above the running sum's rounded total (a float32
+    distribution whose sum falls just short of 1) takes the last token that has any, not the
+    zero-probability tail (a top-k filtered row). Before: token 0, and the vocabulary's last."""
+    import minivllm.spec_decode as sd
+
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.7 - 1e-7, 0.0, 0.0])  # sums to just under 1
+    for u, want in ((0.0, 1), (0.31, 3), (1 - 2**-53, 3)):
+        monkeypatch.setattr(sd.torch, "rand", lambda *a, u=u, **k: torch.tensor(u, dtype=torch.float64))
+        assert sample_from(probs, None) == want, u
 
 
 def test_rollback_frees_only_the_blocks_past_the_computed_tokens():
