@@ -32,10 +32,11 @@ from minivllm.bench.metrics import (
     level_runs,
     median_runs,
     roofline_fraction,
+    samples,
     throughput_ratio,
 )
 
-HARNESS_NAMES = ("engine_label", "level_runs", "median_runs", "roofline_fraction",
+HARNESS_NAMES = ("engine_label", "level_runs", "median_runs", "roofline_fraction", "samples",
                  "throughput_ratio")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,8 +163,7 @@ def group_slug(group: Group) -> str:
 def is_sampled(record: dict) -> bool:
     """Whether the run's requests sampled (``--sampling-option temperature=...``) where the
     benchmark's protocol is greedy."""
-    sampling = (record.get("env") or {}).get("sampling") or {}
-    return float(sampling.get("temperature") or 0) > 0
+    return samples((record.get("env") or {}).get("sampling"))
 
 
 def groups(records: list[dict]) -> dict[Group, list[dict]]:

@@ -47,7 +47,7 @@ from minivllm.bench.clients import (
     served_model_name,
     text_completion_payload,
 )
-from minivllm.bench.metrics import BenchRequest, RequestResult
+from minivllm.bench.metrics import BenchRequest, RequestResult, samples
 from minivllm.bench.peers import (
     cores,
     ensure_gguf,
@@ -400,7 +400,7 @@ def _llama_server(opts: BenchOptions, device: str) -> Iterator[Session | None]:
         yield _http_session(f"http://127.0.0.1:{port}/v1", str(path), opts, proc.pid, "rss",
                             {"device": device, "dtype": dtype, "command": cmd,
                              "gguf": str(gguf), "batching": "continuous"},
-                            functools.partial(llama_server_payload, sampled=bool(opts.sampling)),
+                            functools.partial(llama_server_payload, sampled=samples(opts.sampling)),
                             ready_after_s=proc.ready_after_s)
 
 

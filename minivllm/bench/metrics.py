@@ -201,6 +201,12 @@ def _cell(record: dict, key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def samples(sampling: dict | None) -> bool:
+    """Whether requests with these --sampling-option fields sample (a temperature above 0)
+    where the benchmark's protocol takes the argmax."""
+    return float((sampling or {}).get("temperature") or 0) > 0
+
+
 def engine_label(record: dict) -> str:
     """``minivllm``, or ``minivllm[compile=False]`` for a run with per-engine options."""
     return record["engine"] + (f"[{record['variant']}]" if record.get("variant") else "")
