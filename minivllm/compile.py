@@ -237,16 +237,28 @@ PLAIN_LOOP_DTYPES = (torch.bfloat16, torch.float32)  # weights loop_matvec has a
 # float32 once widened. Measured with 16 on AVX2; 32 on AVX-512 is the same shape, unmeasured.
 BF16_WEIGHT_LANES = 2 * FLOAT32_LANES
 # A float32 decode step of up to this many rows reads its linears' plain weights through
-# inductor's loop, one loop a row fused into one pass over each weight; from 8 rows on oneDNN's
-# packed kernel is as fast, at 5-6 a loop of 6 rows wins but its graph takes 11 minutes to
-# build (issue 30, twenty-second and twenty-third parts)
-LOOP_MAX_ROWS = 4
-# The row counts of CompiledDecoder's few-rows graphs: 2 rows as they are, 3-4 padded to 4 (a
-# 2-row step padded to 4 took 65.5 ms, unpadded 47.5, on a Zen 3: one_row_routes.py --parts few)
-FEW_ROWS_BUCKETS = (2, LOOP_MAX_ROWS)
+# inductor's loop, one loop a row fused into one pass over each weight, which reads and widens
+# each weight once for all rows; at 16 rows oneDNN's packed kernel is the faster (issue 30,
+# twenty-second, twenty-third and twenty-eighth parts)
+LOOP_MAX_ROWS = 8
+# The row counts of CompiledDecoder's few-rows graphs: 2 rows as they are, 3-4 padded to 4, 5-8
+# to 8 (a 2-row step padded to 4 took 65.5 ms, unpadded 47.5, on a Zen 3: one_row_routes.py
+# --parts few)
+FEW_ROWS_BUCKETS = (2, 4, LOOP_MAX_ROWS)
+# Up to this many rows the loop over a bf16 weight keeps BF16_WEIGHT_LANES partial sums a row
+# (two AVX2 registers), beyond it FLOAT32_LANES (one): AVX2's sixteen vector registers then hold
+# all eight rows' sums. On a Zen 2 the lm_head's loop took 22.7 ms for 8 rows with one register
+# a row, 26.7 with two; a one-row step with one register 1.17x the time of two
+WIDE_SUMS_MAX_ROWS = 4
+# CompiledDecoder's few-rows graphs of up to this many rows call their kernels from C++
+# (cpp_wrapper), larger ones from Python: as one C++ file the 8-row graph took 676 s to build on
+# an empty inductor cache on a Zen 2, as kernels of their own (the 24 layers' alike kernels
+# built once) 174 s, for a step 1.06x as long (issue 30, twenty-eighth part)
+CPP_WRAPPER_MAX_ROWS = 4
 
 
-def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def loop_matvec(x: torch.Tensor, weight: torch.Tensor,
+                bf16_lanes: int = BF16_WEIGHT_LANES) -> torch.Tensor:
     """(1, K) row times the (N, K) weight -> (1, N), written for inductor to lower to its own
     loop over the weight's rows, on the row materialised first. A bf16 weight (K even) is
     read as int32 lanes, two numbers each (``bf16_pairs_as_float32``), and the products
@@ -255,16 +267,17 @@ def loop_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     writes for ``torch.mv``, yet on an AVX2 Zen 3 it streamed the 0.5B model's float32 weights
     1.2x faster so while memory was fast, 1.03-1.1x while slow (issue 30's seventeenth part).
     A bf16 weight beside a float32 row (a float32 model's weight held in bf16 by
-    ``narrow_plain_weights``) is widened to float32 as it is read, BF16_WEIGHT_LANES partial
-    sums a row: half the bytes of the float32 weight, the same numbers. Any other weight is
+    ``narrow_plain_weights``) is widened to float32 as it is read, ``bf16_lanes`` partial
+    sums a row (fewer where many rows' loops share the registers: ``WIDE_SUMS_MAX_ROWS``): half
+    the bytes of the float32 weight, the same numbers. Any other weight is
     ``torch.mv``. Compiled only."""
     row = materialise(x)[0]  # (K,)
     n, k = weight.shape
     if weight.dtype == torch.bfloat16 and row.dtype == torch.float32:
-        if k % BF16_WEIGHT_LANES:
+        if k % bf16_lanes:
             return torch.mv(weight.float(), row).unsqueeze(0)
-        products = (weight.view(n, -1, BF16_WEIGHT_LANES).float()  # (N, K/L, L) float32
-                    * row.view(-1, BF16_WEIGHT_LANES))
+        products = (weight.view(n, -1, bf16_lanes).float()  # (N, K/L, L) float32
+                    * row.view(-1, bf16_lanes))
         return products.sum(1).sum(-1).unsqueeze(0)  # (N, L) partial sums -> (1, N)
     if weight.dtype == torch.float32 and k % FLOAT32_LANES == 0:
         products = weight.view(n, -1, FLOAT32_LANES) * row.view(-1, FLOAT32_LANES)  # (N, K/L, L)
@@ -467,8 +480,10 @@ class PackedLinear(nn.Module):
                     and statically_known_true(rows <= LOOP_MAX_ROWS)):
                 # One row, or a few-rows graph's (CompiledDecoder): inductor's loop over the
                 # plain weight for each row; it fuses the rows' loops into one pass over it
+                lanes = BF16_WEIGHT_LANES if rows <= WIDE_SUMS_MAX_ROWS else FLOAT32_LANES
                 out = (loop_matvec(x, self.weight) if rows == 1 else
-                       torch.cat([loop_matvec(x[i:i + 1], self.weight) for i in range(rows)]))
+                       torch.cat([loop_matvec(x[i:i + 1], self.weight, lanes)
+                                  for i in range(rows)]))
                 return out if self.bias is None else out + self.bias  # (rows, out)
             # (..., out): one opaque kernel for inductor
             return packed_linear(x, self.handle_tensor, self.out_features, self.bias)
@@ -644,11 +659,17 @@ def compile_guarding_inputs(fn: Callable, dynamic: bool = True, mode: str | None
     ``cpp_wrapper``: each graph calls its kernels from C++ (inductor's ``cpp_wrapper``) instead
     of from a Python function, one call of a few microseconds per kernel fewer, with the GIL
     released in between. Its C++ takes minutes to build on an empty inductor cache and seconds
-    from a warm one."""
+    from a warm one.
+
+    On a CPU gcc may fuse a multiplication and the addition that takes its product into one
+    FMA instruction (``-ffp-contract=fast``; inductor's default is off): the one-row loop's
+    products and partial sums (``loop_matvec``) in half the instructions. On a Zen 2 decode
+    steps of 1, 2 and 4 rows took 0.97, 0.95 and 0.92x the time; the logits moved by ~2e-6."""
     from torch._inductor import list_mode_options  # imported on first use, as torch.compile does
 
     # torch.compile takes a mode or options, not both: the options the mode stands for, and ours
     options = {**list_mode_options(mode or "default", dynamic), "guard_filter_fn": guards_on_inputs}
+    options["cpp.enable_floating_point_contract_flag"] = "fast"
     if cpp_wrapper:
         options["cpp_wrapper"] = True
     return torch.compile(fn, dynamic=dynamic, options=options, isolate_recompiles=True)
@@ -815,8 +836,12 @@ class CompiledDecoder:
         if self.few_rows_buckets:
             self._many_rows = self._logits
             # one graph per bucket: its inputs' row dimension marked static
-            # (_few_or_many_rows), the rest dynamic
-            self._few_rows = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
+            # (_few_or_many_rows), the rest dynamic; above CPP_WRAPPER_MAX_ROWS rows a compile
+            # whose graphs call their kernels from Python
+            wrapped = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
+            unwrapped = compile_guarding_inputs(decode_logits) if self.cpp_wrapper else wrapped
+            self._few_rows = {rows: wrapped if rows <= CPP_WRAPPER_MAX_ROWS else unwrapped
+                              for rows in self.few_rows_buckets}
             self._logits = self._few_or_many_rows
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
@@ -854,7 +879,7 @@ class CompiledDecoder:
                                                                  self.scratch_block)]))
         for t in inputs:  # the row count a constant of the graph: PackedLinear's loop per row
             torch._dynamo.mark_static(t, 0)
-        return self._few_rows(model, kv, *inputs, block_size)[:rows]
+        return self._few_rows[padded](model, kv, *inputs, block_size)[:rows]
 
     def sample(self, logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
         """Tokens for (B, V) logits with (B,) uniforms drawn by the caller."""

@@ -678,6 +678,50 @@ def test_narrow_plain_weights_holds_only_bf16_numbers_in_bf16():
     assert head.weight is not embedding.weight
 
 
+def test_many_rows_loops_keep_one_register_of_sums_a_row():
+    """Guards: a static batch of more than WIDE_SUMS_MAX_ROWS rows reading a bf16 plain weight
+    (a float32 model's, narrowed) in BF16_WEIGHT_LANES partial sums a row, two vector registers
+    each, which at 8 rows do not fit AVX2's sixteen (22.7 against 26.7 ms on the lm_head); a
+    batch of up to WIDE_SUMS_MAX_ROWS rows not keeping them; the rows' results changing."""
+    from minivllm.compile import (
+        BF16_WEIGHT_LANES,
+        FLOAT32_LANES,
+        LOOP_MAX_ROWS,
+        WIDE_SUMS_MAX_ROWS,
+        PackedLinear,
+        can_pack_linear_weights,
+        narrow_plain_weights,
+    )
+
+    torch.manual_seed(0)
+    k, n = 4 * BF16_WEIGHT_LANES, 24
+    linear = nn.Linear(k, n, bias=False).requires_grad_(False)
+    if not can_pack_linear_weights(linear):
+        pytest.skip("no oneDNN on this CPU")
+    linear.weight.data = linear.weight.data.to(torch.bfloat16).float()  # bf16 numbers
+    packed = PackedLinear(linear, keep_plain_weight=True)
+    assert narrow_plain_weights([packed]) == n * k * 2
+    assert packed.weight.dtype == torch.bfloat16
+
+    def lanes_read(rows: int) -> set[int]:
+        """The partial sums a row of the loops a static batch of ``rows`` takes: the last size
+        of each (N, K/L, L) view of the weight."""
+        with torch.no_grad():
+            graph = torch.export.export(packed, (torch.randn(rows, k),)).graph
+        views = [tuple(node.meta["val"].shape) for node in graph.nodes
+                 if node.op == "call_function" and "view" in str(node.target)]
+        return {shape[-1] for shape in views
+                if len(shape) == 3 and shape[0] == n and shape[1] * shape[2] == k}
+
+    assert lanes_read(WIDE_SUMS_MAX_ROWS) == {BF16_WEIGHT_LANES}
+    assert lanes_read(LOOP_MAX_ROWS) == {FLOAT32_LANES} != {BF16_WEIGHT_LANES}
+    x = torch.randn(LOOP_MAX_ROWS, k)
+    exact = x.double() @ linear.weight.double().t()
+    with torch.inference_mode():
+        out = torch.compile(packed, dynamic=False)(x)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_pack_linear_weights_lets_each_plain_linear_go_as_it_packs_the_next(keep):
     """Guards: packing holding every plain linear (and its weight) until the last is packed,
@@ -860,8 +904,8 @@ def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
 def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model, dtype):
     """Guards, end to end: the engine's compiled one-row decode graph reading the packed
     weights although the plain ones were kept (or its loop reading an unmaterialised input);
-    in float32, a batch of 2 rows padded (it has a graph of its own), one of 3..LOOP_MAX_ROWS
-    not padded to LOOP_MAX_ROWS, their rows not each taking the loop, and a larger batch
+    in float32, a batch of 2 rows padded (it has a graph of its own), one of 3-4 not padded to
+    4 or of 5..LOOP_MAX_ROWS not to LOOP_MAX_ROWS, their rows not each taking the loop, and a larger batch
     leaving the packed weights; in bf16 (not measured there) any batch of 2+ rows taking the
     loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones.
     Counted with the profiler: ``materialise`` runs once per linear and row."""
@@ -886,12 +930,12 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
         return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
 
     buckets = runner.decoder.few_rows_buckets
-    assert buckets == ((2, LOOP_MAX_ROWS) if dtype == "float32" else ())
+    assert buckets == ((2, 4, LOOP_MAX_ROWS) if dtype == "float32" else ())
     assert materialise_calls(1) == linears
-    # float32: 2 rows as they are, 3..LOOP_MAX_ROWS padded to LOOP_MAX_ROWS, every row
-    # through the loop; more rows (and bf16's 2+) through the packed weights
-    for rows in range(2, LOOP_MAX_ROWS + 1):
-        padded = 2 if rows == 2 else LOOP_MAX_ROWS
+    # float32: 2 rows as they are, 3-4 padded to 4, 5..LOOP_MAX_ROWS to LOOP_MAX_ROWS, every
+    # row through the loop; more rows (and bf16's 2+) through the packed weights
+    padded_to = {2: 2, 3: 4, 4: 4, 5: LOOP_MAX_ROWS, LOOP_MAX_ROWS: LOOP_MAX_ROWS}
+    for rows, padded in padded_to.items():
         assert materialise_calls(rows) == (padded * linears if buckets else 0)
     assert materialise_calls(LOOP_MAX_ROWS + 1) == 0
     # bf16 logits: a unit in the last place is 1/16 at |logit| 8-16, and the graph rounds

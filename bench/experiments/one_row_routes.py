@@ -30,11 +30,11 @@ process (run it alone; on 2 cores anything else running changes the answer):
 * ``narrow``: a float32 engine as shipped, whose one-row loop reads bf16 copies of weights
   that are bf16 numbers, against one keeping float32 copies; compiled steps alternated at 1
   and 8 rows (issue 30, eighteenth part, the Zen 3).
-* ``few``: a float32 engine as shipped, whose decode batches of 2-4 rows go through the
+* ``few``: a float32 engine as shipped, whose decode batches of 2-8 rows go through the
   few-rows graph (every row through the loop), against a decoder of the same model with
-  ``few_rows_loop`` off; compiled steps alternated at 2, 3, 4 and 8 rows; then 2 rows
+  ``few_rows_loop`` off; compiled steps alternated at 2, 3, 4, 6, 8 and 16 rows; then 2 rows
   through their own graph against 2 rows padded to 4 (issue 30, twenty-second and
-  twenty-third parts, the Zen 3).
+  twenty-third parts, the Zen 3; twenty-eighth, the Zen 2).
 * ``sdpa``: SDPA on a fresh prompt's shape (14 query heads, 2 kv heads, 64 dims), causal
   with ``enable_gqa``, with the kv heads repeated, and with a boolean mask.
 
@@ -223,22 +223,21 @@ def variant_decoder(engine, model: torch.nn.Module, **options):
 
 
 def part_few(model_path: str, pairs: int) -> None:
-    """Decode steps of 2, 3, 4 and 8 rows as shipped (a float32 batch of 2 rows, or of 3-4
-    padded to 4, through its few-rows graph, every row through the loop) against a decoder of
+    """Decode steps of 2, 3, 4, 6, 8 and 16 rows as shipped (a float32 batch of 2 rows, of 3-4
+    padded to 4 or 5-8 padded to 8, through its few-rows graph, every row through the loop;
+    16 rows through oneDNN's packed kernel on both sides) against a decoder of
     the same model and pool with ``few_rows_loop`` off (oneDNN's packed kernel), alternated;
     then 2 rows as shipped against 2 rows padded to 4."""
     from minivllm import LLM
-    from minivllm.compile import LOOP_MAX_ROWS
-
     engine = LLM(model_path, compile_in_background=False).engine
     packed = variant_decoder(engine, engine.runner.model, few_rows_loop=False)
-    for rows in (2, 3, 4, 8):
+    for rows in (2, 3, 4, 6, 8, 16):
         compare_one_row_steps({"packed": packed, "as shipped": engine.runner.decoder}, pairs, rows)
     # 2 rows through their own graph (shipped) against 2 rows padded to 4 (the twenty-second
     # part's form): the same decoder, its 4-row graph, a copy routing by one bucket only
     shipped = engine.runner.decoder
     padded = copy.copy(shipped)
-    padded.few_rows_buckets = (LOOP_MAX_ROWS,)
+    padded.few_rows_buckets = (4,)
     padded._logits = padded._few_or_many_rows  # bound to the copy: routes by its buckets
     compare_one_row_steps({"padded to 4": padded, "as shipped": shipped}, pairs, 2)
 
