@@ -250,11 +250,6 @@ FEW_ROWS_BUCKETS = (2, 4, LOOP_MAX_ROWS)
 # all eight rows' sums. On a Zen 2 the lm_head's loop took 22.7 ms for 8 rows with one register
 # a row, 26.7 with two; a one-row step with one register 1.17x the time of two
 WIDE_SUMS_MAX_ROWS = 4
-# CompiledDecoder's few-rows graphs of up to this many rows call their kernels from C++
-# (cpp_wrapper), larger ones from Python: as one C++ file the 8-row graph took 676 s to build on
-# an empty inductor cache on a Zen 2, as kernels of their own (the 24 layers' alike kernels
-# built once) 174 s, for a step 1.06x as long (issue 30, twenty-eighth part)
-CPP_WRAPPER_MAX_ROWS = 4
 
 
 def loop_matvec(x: torch.Tensor, weight: torch.Tensor,
@@ -658,8 +653,10 @@ def compile_guarding_inputs(fn: Callable, dynamic: bool = True, mode: str | None
 
     ``cpp_wrapper``: each graph calls its kernels from C++ (inductor's ``cpp_wrapper``) instead
     of from a Python function, one call of a few microseconds per kernel fewer, with the GIL
-    released in between. Its C++ takes minutes to build on an empty inductor cache and seconds
-    from a warm one.
+    released in between. Its C++ is built as two files (``cpp_wrapper_build_separate``): the
+    kernels at -O3, and at -O1 the function that calls them, thousands of lines of calls. On
+    a Zen 2 the 0.5B shape's graphs took 847 s to build on an empty inductor cache as one
+    file at -O3 and 578 s as two, for steps of the same time. From a warm cache: seconds.
 
     On a CPU gcc may fuse a multiplication and the addition that takes its product into one
     FMA instruction (``-ffp-contract=fast``; inductor's default is off): the one-row loop's
@@ -672,6 +669,7 @@ def compile_guarding_inputs(fn: Callable, dynamic: bool = True, mode: str | None
     options["cpp.enable_floating_point_contract_flag"] = "fast"
     if cpp_wrapper:
         options["cpp_wrapper"] = True
+        options["cpp_wrapper_build_separate"] = True  # the calls at -O1, the kernels at -O3
     return torch.compile(fn, dynamic=dynamic, options=options, isolate_recompiles=True)
 
 
@@ -836,12 +834,8 @@ class CompiledDecoder:
         if self.few_rows_buckets:
             self._many_rows = self._logits
             # one graph per bucket: its inputs' row dimension marked static
-            # (_few_or_many_rows), the rest dynamic; above CPP_WRAPPER_MAX_ROWS rows a compile
-            # whose graphs call their kernels from Python
-            wrapped = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
-            unwrapped = compile_guarding_inputs(decode_logits) if self.cpp_wrapper else wrapped
-            self._few_rows = {rows: wrapped if rows <= CPP_WRAPPER_MAX_ROWS else unwrapped
-                              for rows in self.few_rows_buckets}
+            # (_few_or_many_rows), the rest dynamic
+            self._few_rows = compile_guarding_inputs(decode_logits, cpp_wrapper=self.cpp_wrapper)
             self._logits = self._few_or_many_rows
         self._sample = torch.compile(sample_logits, dynamic=True)
         self.compile_seconds = 0.0
@@ -879,7 +873,7 @@ class CompiledDecoder:
                                                                  self.scratch_block)]))
         for t in inputs:  # the row count a constant of the graph: PackedLinear's loop per row
             torch._dynamo.mark_static(t, 0)
-        return self._few_rows[padded](model, kv, *inputs, block_size)[:rows]
+        return self._few_rows(model, kv, *inputs, block_size)[:rows]
 
     def sample(self, logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
         """Tokens for (B, V) logits with (B,) uniforms drawn by the caller."""

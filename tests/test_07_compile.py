@@ -1261,7 +1261,8 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
 def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_step(tiny_model,
                                                                                   monkeypatch):
     """``cpp_wrapper``: the one-row and the many-row decode graphs load a C++ wrapper (inductor's
-    ``CppWrapperCodeCache``; a Python wrapper loads only its kernels, through the base class)
+    ``CppWrapperCodeCache``; a Python wrapper loads only its kernels, through the base class),
+    its kernels' C++ handed over apart from the calls' (built as two files, the calls at -O1),
     and give the eager model's logits; ``cpp_wrapper=False`` loads none."""
     from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
 
@@ -1270,10 +1271,12 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
     from minivllm.model import load_model
 
     loaded: list[str] = []
+    kernels_apart: list[bool] = []
     load = CppWrapperCodeCache.load_pybinding.__func__
 
     def recording(cls, *args, **kwargs):
         loaded.append(cls.__name__)
+        kernels_apart.append(bool(kwargs.get("kernel_code")))  # None: one file at -O3
         return load(cls, *args, **kwargs)
 
     monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
@@ -1287,9 +1290,11 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
         for cpp_wrapper in (True, False):
             PyCodeCache.cache_clear()  # a graph compiled before in this process loads again
             loaded.clear()
+            kernels_apart.clear()
             decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"),
                                       cpp_wrapper=cpp_wrapper)
             assert decoder.cpp_wrapper is cpp_wrapper
             _assert_decoder_matches_eager(decoder, model, pool, saved, (1, 3), first_id=5,
                                           first_len=20)  # the one-row graph, then the dynamic one
             assert len(loaded) == (2 if cpp_wrapper else 0), loaded  # one per graph
+            assert all(kernels_apart), kernels_apart
