@@ -655,8 +655,9 @@ def compile_guarding_inputs(fn: Callable, dynamic: bool = True, mode: str | None
     of from a Python function, one call of a few microseconds per kernel fewer, with the GIL
     released in between. Its C++ is built as two files (``cpp_wrapper_build_separate``): the
     kernels at -O3, and at -O1 the function that calls them, thousands of lines of calls. On
-    a Zen 2 the 0.5B shape's graphs took 847 s to build on an empty inductor cache as one
-    file at -O3 and 578 s as two, for steps of the same time. From a warm cache: seconds.
+    a Zen 2 the 0.5B shape's graphs took 585 s to build on an empty inductor cache this way,
+    847 s as one file each at -O3 (and the 8-row graph's calls in Python), for steps of the
+    same time. From a warm cache: seconds.
 
     On a CPU gcc may fuse a multiplication and the addition that takes its product into one
     FMA instruction (``-ffp-contract=fast``; inductor's default is off): the one-row loop's
