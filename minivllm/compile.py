@@ -475,10 +475,12 @@ class PackedLinear(nn.Module):
                     and statically_known_true(rows <= LOOP_MAX_ROWS)):
                 # One row, or a few-rows graph's (CompiledDecoder): inductor's loop over the
                 # plain weight for each row; it fuses the rows' loops into one pass over it
-                lanes = BF16_WEIGHT_LANES if rows <= WIDE_SUMS_MAX_ROWS else FLOAT32_LANES
-                out = (loop_matvec(x, self.weight) if rows == 1 else
-                       torch.cat([loop_matvec(x[i:i + 1], self.weight, lanes)
-                                  for i in range(rows)]))
+                if rows == 1:
+                    out = loop_matvec(x, self.weight)  # (1, out)
+                else:  # fewer sums a row where many rows' sums share the vector registers
+                    lanes = BF16_WEIGHT_LANES if rows <= WIDE_SUMS_MAX_ROWS else FLOAT32_LANES
+                    out = torch.cat([loop_matvec(x[i:i + 1], self.weight, lanes)
+                                     for i in range(rows)])  # (rows, out)
                 return out if self.bias is None else out + self.bias  # (rows, out)
             # (..., out): one opaque kernel for inductor
             return packed_linear(x, self.handle_tensor, self.out_features, self.bias)
