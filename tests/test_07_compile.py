@@ -901,18 +901,30 @@ def test_the_engine_packs_bf16_weights_unless_asked_not_to(tiny_model):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_onednn_bf16), "float32"])
-def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model, dtype):
+def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tiny_model, dtype,
+                                                                           monkeypatch):
     """Guards, end to end: the engine's compiled one-row decode graph reading the packed
     weights although the plain ones were kept (or its loop reading an unmaterialised input);
     in float32, a batch of 2 rows padded (it has a graph of its own), one of 3-4 not padded to
     4 or of 5..LOOP_MAX_ROWS not to LOOP_MAX_ROWS, their rows not each taking the loop, and a larger batch
     leaving the packed weights; in bf16 (not measured there) any batch of 2+ rows taking the
-    loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones.
-    Counted with the profiler: ``materialise`` runs once per linear and row."""
+    loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones; a
+    decode graph calling its kernels from Python (each loads a C++ wrapper, the few-rows
+    graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
+    from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import LOOP_MAX_ROWS, DecodeInputs, PackedLinear, decode_logits
 
+    wrappers = []
+    load = CppWrapperCodeCache.load_pybinding.__func__
+
+    def recording(cls, *args, **kwargs):
+        wrappers.append(cls.__name__)
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
+    PyCodeCache.cache_clear()  # graphs compiled before in this process load again
     llm = LLM(str(tiny_model), dtype=dtype, block_size=8, num_blocks=12, max_model_len=96,
               compile=True, compile_in_background=False, compile_flat_steps=False,
               matvec_kernel="inductor")  # a CPU without AMX, whatever this one is
@@ -931,6 +943,7 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
 
     buckets = runner.decoder.few_rows_buckets
     assert buckets == ((2, 4, LOOP_MAX_ROWS) if dtype == "float32" else ())
+    assert len(wrappers) == 2 + len(buckets), wrappers  # one row, many rows, each few-rows graph
     assert materialise_calls(1) == linears
     # float32: 2 rows as they are, 3-4 padded to 4, 5..LOOP_MAX_ROWS to LOOP_MAX_ROWS, every
     # row through the loop; more rows (and bf16's 2+) through the packed weights
