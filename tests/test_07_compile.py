@@ -158,6 +158,25 @@ def test_compiled_decode_applies_the_logits_processors(compiled_random, random_e
     assert got[3] == hf_greedy(random_engine_model, prompts[3]["prompt_token_ids"], 12)
 
 
+def _record_cpp_wrappers(monkeypatch) -> list[bool]:
+    """Each C++ wrapper a compile loads from now on (inductor's ``CppWrapperCodeCache``; a Python
+    wrapper loads only its kernels, through the base class), as whether its kernels' C++ was
+    handed over apart from the calls' (``kernel_code``: built as two files, the calls at -O1).
+    Graphs compiled before in this process load again."""
+    from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
+
+    loaded: list[bool] = []
+    load = CppWrapperCodeCache.load_pybinding.__func__
+
+    def recording(cls, *args, **kwargs):
+        loaded.append(bool(kwargs.get("kernel_code")))  # None: one file at -O3
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
+    PyCodeCache.cache_clear()
+    return loaded
+
+
 def _two_linears() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 40, bias=False))
@@ -911,20 +930,11 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
     loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones; a
     decode graph calling its kernels from Python (each loads a C++ wrapper, the few-rows
     graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
-    from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import LOOP_MAX_ROWS, DecodeInputs, PackedLinear, decode_logits
 
-    wrappers = []
-    load = CppWrapperCodeCache.load_pybinding.__func__
-
-    def recording(cls, *args, **kwargs):
-        wrappers.append(cls.__name__)
-        return load(cls, *args, **kwargs)
-
-    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
-    PyCodeCache.cache_clear()  # graphs compiled before in this process load again
+    wrappers = _record_cpp_wrappers(monkeypatch)
     llm = LLM(str(tiny_model), dtype=dtype, block_size=8, num_blocks=12, max_model_len=96,
               compile=True, compile_in_background=False, compile_flat_steps=False,
               matvec_kernel="inductor")  # a CPU without AMX, whatever this one is
@@ -1277,22 +1287,13 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
     ``CppWrapperCodeCache``; a Python wrapper loads only its kernels, through the base class),
     its kernels' C++ handed over apart from the calls' (built as two files, the calls at -O1),
     and give the eager model's logits; ``cpp_wrapper=False`` loads none."""
-    from torch._inductor.codecache import CppWrapperCodeCache, PyCodeCache
+    from torch._inductor.codecache import PyCodeCache
 
     from minivllm.compile import CompiledDecoder
     from minivllm.kv_cache import KVCachePool
     from minivllm.model import load_model
 
-    loaded: list[str] = []
-    kernels_apart: list[bool] = []
-    load = CppWrapperCodeCache.load_pybinding.__func__
-
-    def recording(cls, *args, **kwargs):
-        loaded.append(cls.__name__)
-        kernels_apart.append(bool(kwargs.get("kernel_code")))  # None: one file at -O3
-        return load(cls, *args, **kwargs)
-
-    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding", classmethod(recording))
+    loaded = _record_cpp_wrappers(monkeypatch)  # each wrapper: its kernels' C++ apart?
     model = load_model(tiny_model, dtype=torch.float32)
     mc, block_size, scratch = model.config, 16, 8
     pool = KVCachePool(mc.num_hidden_layers, scratch + 1, block_size, mc.num_key_value_heads,
@@ -1303,11 +1304,10 @@ def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_ste
         for cpp_wrapper in (True, False):
             PyCodeCache.cache_clear()  # a graph compiled before in this process loads again
             loaded.clear()
-            kernels_apart.clear()
             decoder = CompiledDecoder(model, pool.kv, block_size, scratch, torch.device("cpu"),
                                       cpp_wrapper=cpp_wrapper)
             assert decoder.cpp_wrapper is cpp_wrapper
             _assert_decoder_matches_eager(decoder, model, pool, saved, (1, 3), first_id=5,
                                           first_len=20)  # the one-row graph, then the dynamic one
             assert len(loaded) == (2 if cpp_wrapper else 0), loaded  # one per graph
-            assert all(kernels_apart), kernels_apart
+            assert all(loaded), loaded
