@@ -1283,10 +1283,9 @@ def test_each_compile_checks_only_its_inputs_guards_and_keeps_its_graphs_to_itse
 
 def test_a_cpu_decode_step_calls_its_kernels_from_cpp_and_computes_the_eager_step(tiny_model,
                                                                                   monkeypatch):
-    """``cpp_wrapper``: the one-row and the many-row decode graphs load a C++ wrapper (inductor's
-    ``CppWrapperCodeCache``; a Python wrapper loads only its kernels, through the base class),
-    its kernels' C++ handed over apart from the calls' (built as two files, the calls at -O1),
-    and give the eager model's logits; ``cpp_wrapper=False`` loads none."""
+    """``cpp_wrapper``: the one-row and the many-row decode graphs each load a C++ wrapper
+    (``_record_cpp_wrappers``), its kernels' C++ built apart from the calls', and give the
+    eager model's logits; ``cpp_wrapper=False`` loads none."""
     from torch._inductor.codecache import PyCodeCache
 
     from minivllm.compile import CompiledDecoder
