@@ -961,9 +961,6 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
     for rows, padded in padded_to.items():
         assert materialise_calls(rows) == (padded * linears if buckets else 0)
     assert materialise_calls(LOOP_MAX_ROWS + 1) == 0
-    # bf16 logits: a unit in the last place is 1/16 at |logit| 8-16, and the graph rounds
-    # its intermediates in other places than the eager model does; float32 sums in another order
-    tolerance = 2e-2 if dtype == "bfloat16" else 1e-4
     for rows in range(1, LOOP_MAX_ROWS + 2):
         batch = DecodeInputs([5 + 11 * r for r in range(rows)], [20 - r for r in range(rows)],
                              [[r % 3, 3 + r % 2, 5] for r in range(rows)])
@@ -973,7 +970,17 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
                                                               batch.block_tables)), 8)
             compiled = runner.decoder.logits(batch)
         assert compiled.shape == eager.shape == (rows, eager.shape[1])
-        torch.testing.assert_close(compiled, eager, rtol=tolerance, atol=tolerance)
+        if dtype == "float32":  # sums in another order
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+            continue
+        # bf16: the graph rounds its intermediates in other places than the eager model does.
+        # A logit's error is the last hidden state's error through the lm_head, about the same
+        # size for every logit of a row, so it is bounded by the largest logit's scale (a unit
+        # in the last place is 1/16 at |logit| 8-16), not each logit's own: a small logit
+        # may differ by more than 2 % of itself (0.026 at 0.25 on a Zen 4), in either route
+        torch.testing.assert_close(compiled, eager, rtol=0,
+                                   atol=2e-2 * float(eager.abs().max()))
+        assert torch.equal(compiled.argmax(-1), eager.argmax(-1))  # the same greedy tokens
 
 
 @needs_onednn_bf16
