@@ -245,6 +245,10 @@ LOOP_MAX_ROWS = 8
 # to 8 (a 2-row step padded to 4 took 65.5 ms, unpadded 47.5, on a Zen 3: one_row_routes.py
 # --parts few)
 FEW_ROWS_BUCKETS = (2, 4, LOOP_MAX_ROWS)
+# A bf16 model's: 2 rows only. On a Zen 4 (avx512_bf16) oneDNN's bf16 kernel took a 2-row step
+# 1.3x as long as a 4-row one, and the loop 0.75x the packed step at 2 rows, but 1.15x at 3
+# and 1.7x at 8: bf16 products are cheap for oneDNN there (vdpbf16ps), not for the loop
+BF16_FEW_ROWS_BUCKETS = (2,)
 # Up to this many rows the loop over a bf16 weight keeps BF16_WEIGHT_LANES partial sums a row
 # (two AVX2 registers), beyond it FLOAT32_LANES (one): AVX2's sixteen vector registers then hold
 # all eight rows' sums. On a Zen 2 the lm_head's loop took 22.7 ms for 8 rows with one register
@@ -828,12 +832,14 @@ class CompiledDecoder:
         self.cpp_wrapper = cpp_wrapper and not self.on_cuda
         self._logits = compile_guarding_inputs(decode_logits, mode=mode,
                                                cpp_wrapper=self.cpp_wrapper)
-        # A float32 batch of 2..LOOP_MAX_ROWS rows where the packed linears kept their plain
-        # weights: padded to the next of FEW_ROWS_BUCKETS, through a graph of that row count,
-        # static, so that each row takes the one-row loop (PackedLinear): at 2-4 rows oneDNN's
-        # kernel runs far below its rate, and the loop reads each weight once for all rows.
-        self.few_rows_buckets = (FEW_ROWS_BUCKETS if few_rows_loop and self.plain_weight_linears
-                                 and not self.on_cuda and kv.dtype == torch.float32 else ())
+        # A float32 batch of 2..LOOP_MAX_ROWS rows (bf16: 2) where the packed linears kept
+        # their plain weights: padded to the next of FEW_ROWS_BUCKETS, through a graph of that
+        # row count, static, so that each row takes the one-row loop (PackedLinear): at a few
+        # rows oneDNN's kernel runs far below its rate, and the loop reads each weight once for
+        # all rows.
+        buckets = {torch.float32: FEW_ROWS_BUCKETS, torch.bfloat16: BF16_FEW_ROWS_BUCKETS}
+        self.few_rows_buckets = (buckets.get(kv.dtype, ()) if few_rows_loop
+                                 and self.plain_weight_linears and not self.on_cuda else ())
         if self.few_rows_buckets:
             self._many_rows = self._logits
             # one graph per bucket: its inputs' row dimension marked static

@@ -327,7 +327,7 @@ class EngineConfig:
     compile_flat_steps: bool = True  # M7: prefill and mixed steps compiled around attention too
     compile_cpp_wrapper: bool = True  # M7: a compiled CPU decode step calls its kernels from C++
     single_row_matvec: bool = True  # M7: a compiled CPU step of one row: a matvec kernel
-    few_rows_loop: bool = True  # M7: float32 steps of 2-8 rows take the one-row loop too
+    few_rows_loop: bool = True  # M7: float32 steps of 2-8 rows (bf16: 2) take the one-row loop too
     matvec_kernel: str = "auto"  # M7: which one: "auto" (by the CPU), "mv" or "inductor"
     merge_projections: bool = True  # M7: q/k/v as one matmul, gate/up as one (as vLLM does)
     pack_linear_weights: bool = True  # M7: CPU linears' weights in oneDNN's layout (as vLLM)

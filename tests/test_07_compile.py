@@ -76,8 +76,8 @@ def test_compiled_m1_parity_on_the_bundled_model(tiny_model, caplog):
                   compile_in_background=False)
     # the warm-up says what it is doing, shape by shape (a first start compiles for a minute)
     warmups = [r.getMessage() for r in caplog.records if "compile warm-up: batch" in r.getMessage()]
-    # batch 1 and the larger batches at two table widths each; in float32 on a CPU whose
-    # packed linears kept their plain weights, each few-rows graph (2 rows, 3-4 rows) too
+    # batch 1 and the larger batches at two table widths each; on a CPU whose packed linears
+    # kept their plain weights, each few-rows graph too (float32: 2, 3-4, 5-8 rows; bf16: 2)
     buckets = llm.engine.runner.decoder.few_rows_buckets
     assert len(warmups) == 4 + 2 * len(buckets)
     assert warmups[0].startswith("compile warm-up: batch 1,")
@@ -924,15 +924,22 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
                                                                            monkeypatch):
     """Guards, end to end: the engine's compiled one-row decode graph reading the packed
     weights although the plain ones were kept (or its loop reading an unmaterialised input);
-    in float32, a batch of 2 rows padded (it has a graph of its own), one of 3-4 not padded to
-    4 or of 5..LOOP_MAX_ROWS not to LOOP_MAX_ROWS, their rows not each taking the loop, and a larger batch
-    leaving the packed weights; in bf16 (not measured there) any batch of 2+ rows taking the
-    loop; the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones; a
+    a batch of 2 rows padded (it has a graph of its own); in float32 one of 3-4 not padded to
+    4 or of 5..LOOP_MAX_ROWS not to LOOP_MAX_ROWS, their rows not each taking the loop, and a
+    larger batch leaving the packed weights; in bf16 a batch of 3+ rows taking the loop (slower
+    there than oneDNN's bf16 kernel from 3 rows on); the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones; a
     decode graph calling its kernels from Python (each loads a C++ wrapper, the few-rows
     graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
     from torch.profiler import ProfilerActivity, profile
 
-    from minivllm.compile import LOOP_MAX_ROWS, DecodeInputs, PackedLinear, decode_logits
+    from minivllm.compile import (
+        BF16_FEW_ROWS_BUCKETS,
+        FEW_ROWS_BUCKETS,
+        LOOP_MAX_ROWS,
+        DecodeInputs,
+        PackedLinear,
+        decode_logits,
+    )
 
     wrappers = _record_cpp_wrappers(monkeypatch)
     llm = LLM(str(tiny_model), dtype=dtype, block_size=8, num_blocks=12, max_model_len=96,
@@ -952,14 +959,15 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
         return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
 
     buckets = runner.decoder.few_rows_buckets
-    assert buckets == ((2, 4, LOOP_MAX_ROWS) if dtype == "float32" else ())
+    assert buckets == (FEW_ROWS_BUCKETS if dtype == "float32" else BF16_FEW_ROWS_BUCKETS)
+    assert FEW_ROWS_BUCKETS == (2, 4, LOOP_MAX_ROWS) and BF16_FEW_ROWS_BUCKETS == (2,)
     assert len(wrappers) == 2 + len(buckets), wrappers  # one row, many rows, each few-rows graph
     assert materialise_calls(1) == linears
-    # float32: 2 rows as they are, 3-4 padded to 4, 5..LOOP_MAX_ROWS to LOOP_MAX_ROWS, every
-    # row through the loop; more rows (and bf16's 2+) through the packed weights
+    # 2 rows as they are; in float32 3-4 padded to 4, 5..LOOP_MAX_ROWS to LOOP_MAX_ROWS, every
+    # row through the loop; more rows (bf16: 3+) through the packed weights
     padded_to = {2: 2, 3: 4, 4: 4, 5: LOOP_MAX_ROWS, LOOP_MAX_ROWS: LOOP_MAX_ROWS}
     for rows, padded in padded_to.items():
-        assert materialise_calls(rows) == (padded * linears if buckets else 0)
+        assert materialise_calls(rows) == (padded * linears if rows <= buckets[-1] else 0)
     assert materialise_calls(LOOP_MAX_ROWS + 1) == 0
     for rows in range(1, LOOP_MAX_ROWS + 2):
         batch = DecodeInputs([5 + 11 * r for r in range(rows)], [20 - r for r in range(rows)],

@@ -88,9 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the embedding too)")
     p.add_argument("--few-rows-loop", action=argparse.BooleanOptionalAction,
                    default=engine.few_rows_loop,
-                   help="with --single-row-matvec, a compiled float32 CPU decode of 2-8 rows "
-                        "runs every row through that loop too (2 rows, 3-4 padded to 4, 5-8 to "
-                        "8): three more graphs to compile (notebook 07)")
+                   help="with --single-row-matvec, a compiled CPU decode of 2-8 rows in float32 "
+                        "(2 rows in bf16) runs every row through that loop too (2 rows, 3-4 "
+                        "padded to 4, 5-8 to 8): three more graphs to compile, one in bf16 "
+                        "(notebook 07)")
     p.add_argument("--matvec-kernel", default=engine.matvec_kernel,
                    choices=["auto", *MATVEC_KERNELS],
                    help="that kernel: torch.mv, inductor's own loop, or auto: by the CPU "
