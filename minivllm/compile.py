@@ -246,8 +246,8 @@ LOOP_MAX_ROWS = 8
 # --parts few)
 FEW_ROWS_BUCKETS = (2, 4, LOOP_MAX_ROWS)
 # A bf16 model's: 2 rows only. On a Zen 4 (avx512_bf16) oneDNN's bf16 kernel took a 2-row step
-# 1.3x as long as a 4-row one, and the loop 0.75x the packed step at 2 rows, but 1.15x at 3
-# and 1.7x at 8: bf16 products are cheap for oneDNN there (vdpbf16ps), not for the loop
+# 1.2-1.5x as long as a 4-row one, and the loop 0.64-0.71x the packed step at 2 rows, but 1.03x
+# at 3 and 1.7x at 8: bf16 products are cheap for oneDNN there (vdpbf16ps), not for the loop
 BF16_FEW_ROWS_BUCKETS = (2,)
 # Up to this many rows the loop over a bf16 weight keeps BF16_WEIGHT_LANES partial sums a row
 # (two AVX2 registers), beyond it FLOAT32_LANES (one): AVX2's sixteen vector registers then hold

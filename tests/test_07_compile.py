@@ -927,9 +927,10 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
     a batch of 2 rows padded (it has a graph of its own); in float32 one of 3-4 not padded to
     4 or of 5..LOOP_MAX_ROWS not to LOOP_MAX_ROWS, their rows not each taking the loop, and a
     larger batch leaving the packed weights; in bf16 a batch of 3+ rows taking the loop (slower
-    there than oneDNN's bf16 kernel from 3 rows on); the compiled logits of 1..LOOP_MAX_ROWS + 1 rows differing from the eager ones; a
-    decode graph calling its kernels from Python (each loads a C++ wrapper, the few-rows
-    graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
+    there than oneDNN's bf16 kernel from 3 rows on); the compiled logits of 1..LOOP_MAX_ROWS + 1
+    rows differing from the eager ones (in bf16: beyond 2 % of the largest logit, or another
+    greedy token); a decode graph calling its kernels from Python (each loads a C++ wrapper,
+    the few-rows graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import (
