@@ -482,6 +482,7 @@ class PackedLinear(nn.Module):
                 if rows == 1:
                     out = loop_matvec(x, self.weight)  # (1, out)
                 else:  # fewer sums a row where many rows' sums share the vector registers
+                    # (a float32 row over a bf16 copy; a bf16 row's pairs loop takes no lanes)
                     lanes = BF16_WEIGHT_LANES if rows <= WIDE_SUMS_MAX_ROWS else FLOAT32_LANES
                     out = torch.cat([loop_matvec(x[i:i + 1], self.weight, lanes)
                                      for i in range(rows)])  # (rows, out)

@@ -930,7 +930,8 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
     there than oneDNN's bf16 kernel from 3 rows on); the compiled logits of 1..LOOP_MAX_ROWS + 1
     rows differing from the eager ones (in bf16: beyond 2 % of the largest logit, or another
     greedy token); a decode graph calling its kernels from Python (each loads a C++ wrapper,
-    the few-rows graphs too). Counted with the profiler: ``materialise`` runs once per linear and row."""
+    the few-rows graphs too). Counted with the profiler: ``materialise`` runs once per linear
+    and row."""
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import (
