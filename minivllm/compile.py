@@ -241,14 +241,13 @@ BF16_WEIGHT_LANES = 2 * FLOAT32_LANES
 # each weight once for all rows; at 16 rows oneDNN's packed kernel is the faster (issue 30,
 # twenty-second, twenty-third and twenty-eighth parts)
 LOOP_MAX_ROWS = 8
-# The row counts of CompiledDecoder's few-rows graphs: 2 rows as they are, 3-4 padded to 4, 5-8
-# to 8 (a 2-row step padded to 4 took 65.5 ms, unpadded 47.5, on a Zen 3: one_row_routes.py
-# --parts few)
-FEW_ROWS_BUCKETS = (2, 4, LOOP_MAX_ROWS)
-# A bf16 model's: 2 rows only. On a Zen 4 (avx512_bf16) oneDNN's bf16 kernel took a 2-row step
-# 1.2-1.5x as long as a 4-row one, and the loop 0.64-0.71x the packed step at 2 rows, but 1.03x
-# at 3 and 1.7x at 8: bf16 products are cheap for oneDNN there (vdpbf16ps), not for the loop
-BF16_FEW_ROWS_BUCKETS = (2,)
+# The row counts of CompiledDecoder's few-rows graphs, by the model's dtype. float32: 2 rows as
+# they are, 3-4 padded to 4, 5-8 to 8 (a 2-row step padded to 4 took 65.5 ms, unpadded 47.5, on
+# a Zen 3: one_row_routes.py --parts few). bf16: 2 rows only. On a Zen 4 (avx512_bf16) oneDNN's
+# bf16 kernel took a 2-row step 1.2-1.5x as long as a 4-row one, and the loop 0.64-0.71x the
+# packed step at 2 rows, but 1.03x at 3 and 1.7x at 8: bf16 products are cheap for oneDNN there
+# (vdpbf16ps), not for the loop
+FEW_ROWS_BUCKETS = {torch.float32: (2, 4, LOOP_MAX_ROWS), torch.bfloat16: (2,)}
 # Up to this many rows the loop over a bf16 weight keeps BF16_WEIGHT_LANES partial sums a row
 # (two AVX2 registers), beyond it FLOAT32_LANES (one): AVX2's sixteen vector registers then hold
 # all eight rows' sums. On a Zen 2 the lm_head's loop took 22.7 ms for 8 rows with one register
@@ -834,12 +833,11 @@ class CompiledDecoder:
         self._logits = compile_guarding_inputs(decode_logits, mode=mode,
                                                cpp_wrapper=self.cpp_wrapper)
         # A float32 batch of 2..LOOP_MAX_ROWS rows (bf16: 2) where the packed linears kept
-        # their plain weights: padded to the next of FEW_ROWS_BUCKETS, through a graph of that
+        # their plain weights: padded to the next of its FEW_ROWS_BUCKETS, through a graph of that
         # row count, static, so that each row takes the one-row loop (PackedLinear): at a few
         # rows oneDNN's kernel runs far below its rate, and the loop reads each weight once for
         # all rows.
-        buckets = {torch.float32: FEW_ROWS_BUCKETS, torch.bfloat16: BF16_FEW_ROWS_BUCKETS}
-        self.few_rows_buckets = (buckets.get(kv.dtype, ()) if few_rows_loop
+        self.few_rows_buckets = (FEW_ROWS_BUCKETS.get(kv.dtype, ()) if few_rows_loop
                                  and self.plain_weight_linears and not self.on_cuda else ())
         if self.few_rows_buckets:
             self._many_rows = self._logits

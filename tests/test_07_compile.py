@@ -935,7 +935,6 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
     from torch.profiler import ProfilerActivity, profile
 
     from minivllm.compile import (
-        BF16_FEW_ROWS_BUCKETS,
         FEW_ROWS_BUCKETS,
         LOOP_MAX_ROWS,
         DecodeInputs,
@@ -961,8 +960,8 @@ def test_the_compiled_engine_reads_plain_weights_through_the_loop_at_one_row(tin
         return sum(1 for e in prof.events() if e.name == "minivllm::materialise")
 
     buckets = runner.decoder.few_rows_buckets
-    assert buckets == (FEW_ROWS_BUCKETS if dtype == "float32" else BF16_FEW_ROWS_BUCKETS)
-    assert FEW_ROWS_BUCKETS == (2, 4, LOOP_MAX_ROWS) and BF16_FEW_ROWS_BUCKETS == (2,)
+    assert buckets == FEW_ROWS_BUCKETS[getattr(torch, dtype)]
+    assert FEW_ROWS_BUCKETS == {torch.float32: (2, 4, LOOP_MAX_ROWS), torch.bfloat16: (2,)}
     assert len(wrappers) == 2 + len(buckets), wrappers  # one row, many rows, each few-rows graph
     assert materialise_calls(1) == linears
     # 2 rows as they are; in float32 3-4 padded to 4, 5..LOOP_MAX_ROWS to LOOP_MAX_ROWS, every
